@@ -1,0 +1,10 @@
+"""The one exception type users see: a one-line message that says what to do."""
+
+from __future__ import annotations
+
+
+class SketchcalError(Exception):
+    """A user-facing error. The CLI prints ``str(err)`` on one line and exits with status 2."""
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(message.split()))

@@ -1,0 +1,94 @@
+"""Atomic file and directory writes: a reader never sees a half-written file."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from sketchcal.errors import SketchcalError
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def disk_errors(what: str) -> Iterator[None]:
+    """Turn a full disk or a permission problem into a one-line :class:`SketchcalError`."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno == errno.ENOSPC:
+            msg = f"no space left on the device while writing {what}; free space and rerun"
+            raise SketchcalError(msg) from err
+        if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise SketchcalError(f"cannot write {what}: {err.strerror}; choose a writable location") from err
+        raise
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on success it is fsynced and renamed onto ``path``.
+
+    On any error the temporary file is removed and ``path`` is left as it was.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        with disk_errors(str(path)):
+            yield tmp_path
+            with open(tmp_path, "rb+") as fh:
+                os.fsync(fh.fileno())
+            os.replace(tmp_path, path)
+            _fsync_dir(path.parent)
+    finally:
+        if tmp_path.exists():
+            tmp_path.unlink()
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    """Write ``obj`` as indented JSON, atomically."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Build a directory under a temporary name beside ``path`` and rename it into place at the end.
+
+    ``path`` must not exist (callers decide about overwriting first). On error the partial
+    directory is deleted, so an interrupted run never leaves something that looks complete.
+    """
+    path = Path(path)
+    if path.exists():
+        raise SketchcalError(f"{path} already exists; choose another output or remove it first")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent))
+    try:
+        with disk_errors(str(path)):
+            yield tmp
+            os.replace(tmp, path)
+            _fsync_dir(path.parent)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
