@@ -1,0 +1,58 @@
+"""What every family adapter provides, and the shapes it reports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from torch import Tensor, nn
+
+from sketchcal.kernels.common import StepInputs
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One recurrent mixer layer: H state heads in G groups, each state K×V (key-major)."""
+
+    layer: int
+    heads: int
+    groups: int
+    key_dim: int
+    value_dim: int
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.heads // self.groups
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "layer": self.layer,
+            "heads": self.heads,
+            "groups": self.groups,
+            "key_dim": self.key_dim,
+            "value_dim": self.value_dim,
+        }
+
+
+class FamilyAdapter(Protocol):
+    """Maps the arguments of a family's transformers kernel functions to :class:`StepInputs`.
+
+    ``prefill_fn`` / ``decode_fn`` name the module-level functions the mixers call (chunked prefill
+    and single-token decode). The conversions replay the functions' own preprocessing (l2 norms,
+    query scaling, dt softplus and limits, group expansion) and return float64 tensors in the
+    design's key-major layout: k, q [B, T, H, K]; w [B, T, H, V]; decay [B, T, H] or [B, T, H, K].
+    """
+
+    family: str
+    prefill_fn: str
+    decode_fn: str
+
+    def layer_shape(self, mixer: nn.Module) -> LayerShape: ...
+
+    def inputs(self, kind: str, args: dict[str, Any]) -> tuple[StepInputs, Tensor | None]:
+        """``(inputs, initial_state)``; the state is key-major [B, H, K, V] float64, or None."""
+        ...
+
+    def pre_gate_output(self, kind: str, result: Any) -> Tensor:
+        """The function's output before any gate, [B, T, H, V]."""
+        ...

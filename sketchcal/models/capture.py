@@ -1,0 +1,174 @@
+"""Tap the recurrent mixers of a loaded model: every call of a mixer's kernel function is
+converted to :class:`~sketchcal.kernels.common.StepInputs` and handed to a callback.
+
+The mixers call module-level functions of their transformers modeling module (a chunked
+prefill and a one-token decode). While a :class:`MixerTap` is active those names are replaced
+by wrappers that (1) convert the arguments with the family adapter, (2) run the original
+function (its torch reference on the CPU, so kernels that need a GPU are never called there)
+and (3) report the call, tagged with the calling mixer's layer index.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from sketchcal.errors import SketchcalError
+from sketchcal.kernels.common import StepInputs
+from sketchcal.models.base import FamilyAdapter
+from sketchcal.models.spec import ModelSpec
+
+# Kernel-backed helpers that the mixers also call; on the CPU they must take the torch path.
+_AUX_FUNCTIONS = ("causal_conv1d_fn", "causal_conv1d_update", "mamba2_split_conv1d_scan_combined")
+
+
+@dataclass
+class MixerCall:
+    """One call of a mixer's recurrence.
+
+    ``inputs`` is float64 [B, T, H, ...] (T = 1 for decode); ``initial_state`` the state it
+    started from, key-major [B, H, K, V] float64 (None = zeros); ``output`` the function's
+    pre-gate output [B, T, H, V] when the tap records outputs.
+    """
+
+    layer: int
+    kind: str  # "prefill" | "decode"
+    inputs: StepInputs
+    initial_state: Tensor | None
+    output: Tensor | None = None
+
+
+def torch_reference(fn: Callable) -> Callable:
+    """The torch implementation behind a transformers kernel function (``__wrapped__``)."""
+    return getattr(fn, "__wrapped__", fn)
+
+
+def _modeling_module(spec: ModelSpec):
+    return importlib.import_module(spec.arch.module)
+
+
+@contextlib.contextmanager
+def _patched(module, replacements: dict[str, Callable]) -> Iterator[None]:
+    saved = {name: getattr(module, name) for name in replacements}
+    try:
+        for name, fn in replacements.items():
+            setattr(module, name, fn)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(module, name, fn)
+
+
+def use_torch_path(spec: ModelSpec) -> None:
+    """Bind the modeling module's kernel functions to their torch references, for good.
+
+    transformers binds optional GPU kernels (flash-linear-attention, mamba-ssm, causal-conv1d)
+    at import when they are installed; they fail on a machine without a GPU.
+    """
+    module = _modeling_module(spec)
+    for name in (spec.adapter.prefill_fn, spec.adapter.decode_fn, *_AUX_FUNCTIONS):
+        fn = getattr(module, name, None)
+        if fn is not None:
+            setattr(module, name, torch_reference(fn))
+
+
+class MixerTap:
+    """Context manager reporting every recurrent-mixer call of ``model`` to ``on_call``.
+
+    ``record_outputs`` also reports each call's pre-gate output (for tests; it costs a copy).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        spec: ModelSpec,
+        on_call: Callable[[MixerCall], None],
+        record_outputs: bool = False,
+    ):
+        self.model, self.spec, self.on_call, self.record_outputs = model, spec, on_call, record_outputs
+        self._layer: int | None = None
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> MixerTap:
+        module = _modeling_module(self.spec)
+        adapter = self.spec.adapter
+        replacements = {}
+        for kind, name in (("prefill", adapter.prefill_fn), ("decode", adapter.decode_fn)):
+            original = getattr(module, name, None)
+            if original is None:
+                raise SketchcalError(
+                    f"{self.spec.arch.module} has no {name}(): this transformers version is not supported; "
+                    "install transformers>=5.17"
+                )
+            replacements[name] = self._wrap(kind, original, adapter)
+        self._stack.enter_context(_patched(module, replacements))
+        for mixer in self.spec.mixers(self.model):
+            self._stack.enter_context(self._layer_hooks(mixer))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    @contextlib.contextmanager
+    def _layer_hooks(self, mixer: nn.Module) -> Iterator[None]:
+        def enter(module: nn.Module, args: Any, kwargs: Any = None) -> None:
+            self._layer = module.layer_idx
+
+        def leave(module: nn.Module, args: Any, *rest: Any) -> None:
+            self._layer = None
+
+        handles = [
+            mixer.register_forward_pre_hook(enter, with_kwargs=True),
+            mixer.register_forward_hook(leave, with_kwargs=True),
+        ]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _wrap(self, kind: str, original: Callable, adapter: FamilyAdapter) -> Callable:
+        reference = torch_reference(original)
+        signature = inspect.signature(reference)
+
+        @functools.wraps(reference)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            named = dict(bound.arguments)
+            named.update(named.pop("kwargs", {}) or {})
+            on_cpu = not any(isinstance(a, Tensor) and a.is_cuda for a in named.values())
+            impl = reference if on_cpu else original
+            layer = self._layer
+            if layer is None:  # called from outside a tapped mixer
+                return impl(*args, **kwargs)
+            inputs, state = adapter.inputs(kind, named)
+            output = None
+            if self.record_outputs:
+                output = self._pre_gate_output(kind, reference, named, adapter)
+            result = impl(*args, **kwargs)
+            if self.record_outputs and output is None:
+                output = adapter.pre_gate_output(kind, result).float()
+            self.on_call(MixerCall(layer, kind, inputs, state, output))
+            return result
+
+        return wrapper
+
+    @staticmethod
+    def _pre_gate_output(kind: str, reference: Callable, named: dict[str, Any], adapter: FamilyAdapter):
+        """When a decode call gates its output internally (``z``), rerun it ungated on a copy."""
+        if named.get("z") is None:
+            return None
+        ungated = dict(named, z=None)
+        if "state" in ungated:
+            ungated["state"] = ungated["state"].clone()  # the function updates the state in place
+        with torch.no_grad():
+            return adapter.pre_gate_output(kind, reference(**ungated)).float()

@@ -1,0 +1,48 @@
+"""Gated DeltaNet adapter (Qwen3-Next, Qwen3.5 dense and MoE, OlmoHybrid, ...).
+
+The mixers call ``torch_chunk_gated_delta_rule`` (prefill) and ``torch_recurrent_gated_delta_rule``
+(decode) with query/key [B, T, Hk, K], value [B, T, Hv, V], log-decay ``g`` and ``beta`` [B, T, Hv].
+Key heads are the groups; each serves Hv/Hk consecutive value heads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from sketchcal.kernels.common import StepInputs
+from sketchcal.models.base import LayerShape
+
+
+def _l2norm(x: Tensor) -> Tensor:
+    # transformers' GDN l2norm: x · rsqrt(Σx² + 1e-6), in float32
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+
+
+class GdnAdapter:
+    family = "gdn"
+    prefill_fn = "torch_chunk_gated_delta_rule"
+    decode_fn = "torch_recurrent_gated_delta_rule"
+
+    def layer_shape(self, mixer: nn.Module) -> LayerShape:
+        return LayerShape(
+            mixer.layer_idx, mixer.num_v_heads, mixer.num_k_heads, mixer.head_k_dim, mixer.head_v_dim
+        )
+
+    def inputs(self, kind: str, args: dict[str, Any]) -> tuple[StepInputs, Tensor | None]:
+        q, k, v = (args[n].float() for n in ("query", "key", "value"))
+        if args.get("use_qk_l2norm_in_kernel"):
+            q, k = _l2norm(q), _l2norm(k)
+        q = q * q.shape[-1] ** -0.5
+        rep = v.shape[-2] // k.shape[-2]
+        q, k = (t.repeat_interleave(rep, dim=-2).double() for t in (q, k))
+        beta = args["beta"].float().double()
+        decay = args["g"].float().double().exp()
+        w = beta[..., None] * v.double()
+        state = args.get("initial_state")
+        return StepInputs(k=k, q=q, w=w, decay=decay, beta=beta), None if state is None else state.double()
+
+    def pre_gate_output(self, kind: str, result: Any) -> Tensor:
+        return result[0] if isinstance(result, tuple) else result

@@ -1,0 +1,45 @@
+"""Kimi Delta Attention adapter (KimiLinear, BailingHybrid, GLM-5-Next).
+
+The mixers call ``chunk_kimi_delta_attention`` / ``recurrent_kimi_delta_attention`` with
+query/key/value [B, T, H, K], a per-key-channel log-decay ``g`` [B, T, H, K] and ``beta`` [B, T, H].
+Every head is its own group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from sketchcal.kernels.common import StepInputs
+from sketchcal.models.base import LayerShape
+
+
+def _l2norm(x: Tensor) -> Tensor:
+    # transformers' KDA l2norm: x / sqrt(Σx² + 1e-6), in float32 (differs from GDN's rsqrt form)
+    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+
+
+class KdaAdapter:
+    family = "kda"
+    prefill_fn = "chunk_kimi_delta_attention"
+    decode_fn = "recurrent_kimi_delta_attention"
+
+    def layer_shape(self, mixer: nn.Module) -> LayerShape:
+        return LayerShape(mixer.layer_idx, mixer.num_heads, mixer.num_heads, mixer.head_dim, mixer.head_dim)
+
+    def inputs(self, kind: str, args: dict[str, Any]) -> tuple[StepInputs, Tensor | None]:
+        q, k, v = (args[n].float() for n in ("query", "key", "value"))
+        if args.get("use_qk_l2norm_in_kernel"):
+            q, k = _l2norm(q), _l2norm(k)
+        q = q * (1 / q.shape[-1] ** 0.5)
+        beta = args["beta"].float().double()
+        decay = args["g"].float().double().exp()
+        w = beta[..., None] * v.double()
+        state = args.get("initial_state")
+        inputs = StepInputs(k=k.double(), q=q.double(), w=w, decay=decay, beta=beta)
+        return inputs, None if state is None else state.double()
+
+    def pre_gate_output(self, kind: str, result: Any) -> Tensor:
+        return result[0] if isinstance(result, tuple) else result

@@ -1,0 +1,68 @@
+"""Mamba-2 adapter (Mamba2, NemotronH, FalconH1, Zamba2, GraniteMoeHybrid, Bamba).
+
+Prefill calls ``mamba2_chunk_scan(x [B, T, H, P], dt [B, T, H], A [H], B/C [B, T, G, N], ...)``;
+decode calls ``mamba2_selective_state_update(state [B, H, P, N], x [B, H, P], dt [B, H, P],
+A [H, P, N], B/C [B, G, N], D [H, P], dt_bias [H, P], ...)``. Architecture-specific scalings
+(FalconH1's µP multipliers, ...) are applied by the mixer before these calls, so they are
+already in the arguments. In the design's notation K = d_state (N), V = head_dim (P),
+k = B, q = C, w = dt·x, a = exp(dt·A), and reads add the skip D·x. transformers stores the
+state as [B, H, P, N]; we expose it key-major, [B, H, N, P].
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from sketchcal.kernels.common import StepInputs
+from sketchcal.models.base import LayerShape
+
+
+class Mamba2Adapter:
+    family = "mamba2"
+    prefill_fn = "mamba2_chunk_scan"
+    decode_fn = "mamba2_selective_state_update"
+
+    def layer_shape(self, mixer: nn.Module) -> LayerShape:
+        return LayerShape(
+            mixer.layer_idx, mixer.num_heads, mixer.n_groups, mixer.ssm_state_size, mixer.head_dim
+        )
+
+    def inputs(self, kind: str, args: dict[str, Any]) -> tuple[StepInputs, Tensor | None]:
+        if kind == "prefill":
+            x, dt, A, B, C = (args[n] for n in ("hidden_states", "dt", "A", "B", "C"))
+            D, state = args.get("D"), args.get("initial_states")
+        else:  # one token, per-head parameters broadcast over head_dim / d_state
+            x, dt, B, C = (
+                args["hidden_states"][:, None],
+                args["dt"][:, None, :, 0],
+                args["B"][:, None],
+                args["C"][:, None],
+            )
+            A = args["A"][:, 0, 0]
+            D, state = args.get("D"), args.get("state")
+            D = None if D is None else D[:, 0]
+        dt_bias = args.get("dt_bias")
+        if dt_bias is not None:
+            dt_bias = dt_bias if kind == "prefill" else dt_bias[:, 0]
+            dt = dt + dt_bias.to(dt.dtype)
+        if args.get("dt_softplus"):
+            dt = F.softplus(dt)
+        if kind == "prefill":  # the decode function applies no dt limit
+            lo, hi = args.get("dt_limit", (0.0, float("inf")))
+            dt = torch.clamp(dt, min=lo, max=hi)
+        dt = dt.float().double()
+        x = x.float().double()
+        rep = x.shape[-2] // B.shape[-2]
+        k, q = (t.float().double().repeat_interleave(rep, dim=-2) for t in (B, C))
+        decay = torch.exp(dt * A.float().double())
+        skip = None if D is None else D.float().double()[:, None] * x
+        inputs = StepInputs(k=k, q=q, w=dt[..., None] * x, decay=decay, beta=None, skip=skip)
+        return inputs, None if state is None else state.double().transpose(-1, -2)
+
+    def pre_gate_output(self, kind: str, result: Any) -> Tensor:
+        out = result[0] if isinstance(result, tuple) else result
+        return out if kind == "prefill" else out[:, None]
