@@ -1,0 +1,124 @@
+"""Streaming window statistics of one mixer layer (see docs/stats-format.md).
+
+For each head: the state second moment E = Σ S_c S_cᵀ over window checkpoints, the
+effective-query second moment C = Σ u uᵀ over non-flush reads (u_p = M_pᵀ q_p, the query pushed
+back to the checkpoint through the window's transitions), the exact read energy Σ ‖S_cᵀ u‖²,
+fourth-moment sums for shrinkage, and counts. Per-token tensors are dropped after each update.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from sketchcal.calibrate.windows import to_windows
+from sketchcal.kernels.common import Family, StepInputs, effective_queries, window_transfer
+from sketchcal.models import LayerShape
+
+SUM_FIELDS = ("E", "C", "read_energy", "E_col4", "C_col4", "n_checkpoints", "n_reads")
+WINDOW_FIELDS = ("windows.S", "windows.u", "windows.mask")
+
+# Upper bound on the float64 working set of one window block, in bytes.
+_BLOCK_BYTES = 512 * 2**20
+
+
+class LayerStats:
+    """Sums for one layer and one data split; tensors live on the device of the first update.
+
+    ``keep_windows`` > 0 also keeps the first that many counted windows verbatim (checkpoint and
+    effective queries, float32), the held-out sample that measures real read errors.
+    """
+
+    def __init__(self, shape: LayerShape, window: int, keep_windows: int = 0):
+        self.shape, self.window, self.keep_windows = shape, window, keep_windows
+        self.sums: dict[str, Tensor] = {}
+        self.kept: dict[str, list[Tensor]] = {name: [] for name in WINDOW_FIELDS}
+        self._kept_count = 0
+
+    def _init(self, device: torch.device) -> None:
+        h, k = self.shape.heads, self.shape.key_dim
+        f64 = dict(dtype=torch.float64, device=device)
+        self.sums = {
+            "E": torch.zeros(h, k, k, **f64),
+            "C": torch.zeros(h, k, k, **f64),
+            "read_energy": torch.zeros(h, **f64),
+            "E_col4": torch.zeros(h, **f64),
+            "C_col4": torch.zeros(h, **f64),
+            "n_checkpoints": torch.zeros(1, dtype=torch.int64, device=device),
+            "n_reads": torch.zeros(1, dtype=torch.int64, device=device),
+        }
+
+    def update(self, family: Family, x: StepInputs, valid: Tensor, prompt_end: int) -> None:
+        """Add one batch: ``x`` float64 [B, T, H, ...], ``valid`` [B, T] bool, windows aligned to
+        ``prompt_end`` (tokens before it are the prompt)."""
+        if not self.sums:
+            self._init(x.k.device)
+        lay = to_windows(x, valid.to(x.k.device), prompt_end, self.window)
+        b, n, ln = lay.valid.shape
+        h, kd, vd = self.shape.heads, self.shape.key_dim, self.shape.value_dim
+        per_window = b * h * kd * (kd + vd) * 8 * 3
+        block = max(1, _BLOCK_BYTES // per_window)
+        state = x.k.new_zeros(b, h, kd, vd)
+        for start in range(0, n, block):
+            stop = min(n, start + block)
+            xb = lay.inputs.map(lambda f, a=start, z=stop: f[:, a:z])
+            m, w = window_transfer(family, xb)  # [B, nb, H, K, K], [B, nb, H, K, V]
+            ckpts = []
+            for j in range(stop - start):
+                ckpts.append(state)
+                state = torch.einsum("bhkl,bhlv->bhkv", m[:, j], state) + w[:, j]
+            del m, w
+            first = max(start, lay.first_decode)
+            if first >= stop:
+                continue
+            sel = slice(first - start, stop - start)
+            s_c = torch.stack(ckpts, dim=1)[:, sel]  # [B, nd, H, K, V]
+            reads = xb.map(lambda f, s=sel: f[:, s, : ln - 1])  # the L-1 non-flush reads
+            read_valid = lay.valid[:, first:stop, : ln - 1]
+            self._accumulate(family, s_c, reads, read_valid)
+
+    def _accumulate(self, family: Family, s_c: Tensor, reads: StepInputs, read_valid: Tensor) -> None:
+        ck_mask = read_valid.any(-1).to(s_c.dtype)  # a checkpoint counts if a read follows it
+        s = self.sums
+        s["E"] += torch.einsum("bjhkv,bjhlv,bj->hkl", s_c, s_c, ck_mask)
+        col2 = (s_c * s_c).sum(-2)  # [B, nd, H, V]
+        s["E_col4"] += torch.einsum("bjhv,bj->h", col2 * col2, ck_mask)
+        s["n_checkpoints"] += ck_mask.sum().long()
+
+        u = effective_queries(family, reads)  # [B, nd, L-1, H, K]
+        r_mask = read_valid.to(u.dtype)
+        s["C"] += torch.einsum("bjphk,bjphl,bjp->hkl", u, u, r_mask)
+        u2 = (u * u).sum(-1)
+        s["C_col4"] += torch.einsum("bjph,bjp->h", u2 * u2, r_mask)
+        o = torch.einsum("bjhkv,bjphk->bjphv", s_c, u)
+        s["read_energy"] += torch.einsum("bjph,bjp->h", (o * o).sum(-1), r_mask)
+        s["n_reads"] += read_valid.sum().long()
+
+        if self._kept_count < self.keep_windows:
+            counted = ck_mask.flatten().bool()
+            take = self.keep_windows - self._kept_count
+            ss = s_c.flatten(0, 1)[counted][:take]
+            uu = u.flatten(0, 1)[counted][:take]
+            mm = read_valid.flatten(0, 1)[counted][:take]
+            self.kept["windows.S"].append(ss.float().cpu())
+            self.kept["windows.u"].append(uu.float().cpu())
+            self.kept["windows.mask"].append(mm.to(torch.uint8).cpu())
+            self._kept_count += ss.shape[0]
+
+    def take_sums(self) -> dict[str, Tensor]:
+        """Return the sums (moved to the CPU) and reset them to zero."""
+        out = {name: t.to("cpu", copy=True) for name, t in self.sums.items()}
+        for t in self.sums.values():
+            t.zero_()
+        return out
+
+    def kept_windows(self) -> dict[str, Tensor]:
+        if not self.keep_windows:
+            return {}
+        h, kd, vd, ln = self.shape.heads, self.shape.key_dim, self.shape.value_dim, self.window
+        empty = {
+            "windows.S": torch.zeros(0, h, kd, vd),
+            "windows.u": torch.zeros(0, ln - 1, h, kd),
+            "windows.mask": torch.zeros(0, ln - 1, dtype=torch.uint8),
+        }
+        return {name: torch.cat(parts) if parts else empty[name] for name, parts in self.kept.items()}

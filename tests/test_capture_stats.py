@@ -1,0 +1,111 @@
+"""Streaming window statistics equal a brute-force float64 computation.
+
+The brute force materialises every transition matrix, keeps the explicit state at every window
+start, and multiplies the transitions out for every effective query.
+"""
+
+import pytest
+import torch
+
+from sketchcal.calibrate.stats import LayerStats
+from sketchcal.kernels.common import StepInputs, family
+from sketchcal.models import LayerShape
+
+
+def random_inputs(fam: str, b: int, t: int, h: int, k: int, v: int, seed: int) -> StepInputs:
+    g = torch.Generator().manual_seed(seed)
+    f64 = torch.float64
+    kk = torch.nn.functional.normalize(torch.randn(b, t, h, k, generator=g, dtype=f64), dim=-1)
+    q = torch.randn(b, t, h, k, generator=g, dtype=f64) / k**0.5
+    w = torch.randn(b, t, h, v, generator=g, dtype=f64)
+    shape = (b, t, h, k) if fam == "kda" else (b, t, h)
+    decay = 0.7 + 0.3 * torch.rand(shape, generator=g, dtype=f64)
+    beta = None if fam == "mamba2" else torch.rand(b, t, h, generator=g, dtype=f64)
+    return StepInputs(k=kk, q=q, w=w, decay=decay, beta=beta)
+
+
+def brute_force(fam_name, x: StepInputs, valid, prompt_end, window):
+    fam = family(fam_name)
+    b, t = valid.shape
+    h, kd, vd = x.num_heads, x.key_dim, x.value_dim
+    E = torch.zeros(h, kd, kd, dtype=torch.float64)
+    C = torch.zeros_like(E)
+    energy = torch.zeros(h, dtype=torch.float64)
+    n_ck = n_reads = 0
+    eye = torch.eye(kd, dtype=torch.float64)
+    for row in range(b):
+        mats, states = [], [torch.zeros(h, kd, vd, dtype=torch.float64)]
+        for i in range(t):
+            xi = x.tokens(i).map(lambda f, r=row: f[r])
+            if valid[row, i]:
+                a = fam.matrix(xi.k, xi.decay, xi.beta)
+                upd = xi.k[..., :, None] * xi.w[..., None, :]
+            else:
+                a, upd = eye.expand(h, kd, kd), torch.zeros(h, kd, vd, dtype=torch.float64)
+            mats.append(a)
+            states.append(a @ states[-1] + upd)  # states[i + 1] = state after token i
+        for c in range(prompt_end, t, window):  # checkpoint = state after c tokens
+            reads = [i for i in range(c, min(c + window - 1, t)) if valid[row, i]]
+            if not reads:  # a checkpoint counts when at least one read follows it
+                continue
+            s_c = states[c]
+            E += s_c @ s_c.transpose(-1, -2)
+            n_ck += 1
+            m = eye.expand(h, kd, kd)
+            for p in range(1, window):
+                i = c + p - 1
+                if i >= t:
+                    break
+                m = mats[i] @ m  # M_p = A_i ⋯ A_c
+                if not valid[row, i]:
+                    continue
+                u = (m.transpose(-1, -2) @ x.q[row, i][..., None]).squeeze(-1)
+                C += u[:, :, None] * u[:, None, :]
+                energy += ((s_c.transpose(-1, -2) @ u[..., None]) ** 2).sum((-1, -2))
+                n_reads += 1
+    return E, C, energy, n_ck, n_reads
+
+
+@pytest.mark.parametrize("fam_name", ["mamba2", "gdn", "kda"])
+@pytest.mark.parametrize("prompt_end", [0, 5, 16])
+def test_streaming_stats_equal_brute_force(fam_name, prompt_end):
+    b, t, h, kd, vd, window = 3, 53, 2, 6, 5, 8
+    x = random_inputs(fam_name, b, t, h, kd, vd, seed=prompt_end)
+    valid = torch.ones(b, t, dtype=torch.bool)
+    valid[1, :3] = False  # left padding
+    valid[2, 40:] = False  # tokens after an end-of-sequence
+    stats = LayerStats(LayerShape(0, h, 1, kd, vd), window)
+    stats.update(family(fam_name), x, valid, prompt_end)
+    got = stats.take_sums()
+    E, C, energy, n_ck, n_reads = brute_force(fam_name, x, valid, prompt_end, window)
+    for name, ref in (("E", E), ("C", C), ("read_energy", energy)):
+        err = ((got[name] - ref).norm() / ref.norm()).item()
+        assert err <= 1e-6, f"{name}: {err:.2e}"
+    assert got["n_checkpoints"].item() == n_ck
+    assert got["n_reads"].item() == n_reads
+
+
+def test_brute_force_sees_a_wrong_window_alignment():
+    """Misaligning windows by one token changes E: the comparison above is sensitive to it."""
+    x = random_inputs("gdn", 2, 40, 2, 6, 5, seed=3)
+    valid = torch.ones(2, 40, dtype=torch.bool)
+    stats = LayerStats(LayerShape(0, 2, 1, 6, 5), 8)
+    stats.update(family("gdn"), x, valid, 9)
+    E, *_ = brute_force("gdn", x, valid, 8, 8)
+    assert ((stats.take_sums()["E"] - E).norm() / E.norm()).item() > 1e-3
+
+
+def test_kept_windows_match_sums():
+    x = random_inputs("kda", 2, 48, 2, 4, 3, seed=7)
+    valid = torch.ones(2, 48, dtype=torch.bool)
+    stats = LayerStats(LayerShape(0, 2, 2, 4, 3), 8, keep_windows=100)
+    stats.update(family("kda"), x, valid, 8)
+    kept = stats.kept_windows()
+    sums = stats.take_sums()
+    s = kept["windows.S"].double()
+    assert s.shape[0] == sums["n_checkpoints"].item() == 10
+    E = torch.einsum("rhkv,rhlv->hkl", s, s)
+    assert ((E - sums["E"]).norm() / E.norm()).item() < 1e-6
+    u, mask = kept["windows.u"].double(), kept["windows.mask"].double()
+    C = torch.einsum("rphk,rphl,rp->hkl", u, u, mask)
+    assert ((C - sums["C"]).norm() / C.norm()).item() < 1e-6
