@@ -106,8 +106,8 @@ class LayerStats:
             self._kept_count += ss.shape[0]
 
     def take_sums(self) -> dict[str, Tensor]:
-        """Return the sums (moved to the CPU) and reset them to zero."""
-        out = {name: t.to("cpu", copy=True) for name, t in self.sums.items()}
+        """Return a copy of the sums (on their device) and reset them to zero."""
+        out = {name: t.clone() for name, t in self.sums.items()}
         for t in self.sums.values():
             t.zero_()
         return out

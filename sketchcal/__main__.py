@@ -1,0 +1,3 @@
+from sketchcal.cli import main
+
+main()

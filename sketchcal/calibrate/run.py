@@ -1,0 +1,380 @@
+"""``sketchcal.calibrate()``: stream window statistics of a model over calibration text."""
+
+from __future__ import annotations
+
+import math
+import resource
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import sketchcal
+from sketchcal.calibrate.distributed import World, init_world
+from sketchcal.calibrate.stats import LayerStats
+from sketchcal.calibrate.store import (
+    FORMAT,
+    VERSION,
+    load_progress,
+    prepare_out_dir,
+    save_progress,
+    write_final,
+)
+from sketchcal.errors import SketchcalError
+from sketchcal.kernels.common import family
+from sketchcal.models import MixerCall, MixerTap
+from sketchcal.models.loading import LoadedModel, load_model, resolve_device
+
+
+@dataclass
+class Settings:
+    """Everything that defines a calibration run (a resumed run must match it exactly)."""
+
+    model: str | None = None
+    data: str | None = None
+    samples: int = 64
+    seq_len: int = 256
+    gen_tokens: int = 0
+    prompt_len: int | None = None
+    window: int = 16
+    heldout_samples: int | None = None
+    heldout_windows: int = 64
+    batch_size: int = 8
+    seed: int = 0
+    chat_template: bool = False
+    do_sample: bool = False
+    temperature: float = 1.0
+    revision: str | None = None
+    text_field: str = "text"
+    data_revision: str | None = None
+    dtype: str = "auto"
+
+    def resolved(self) -> Settings:
+        s = Settings(**asdict(self))
+        if s.prompt_len is None:
+            s.prompt_len = s.seq_len if s.gen_tokens > 0 else s.seq_len // 2
+        if s.heldout_samples is None:
+            s.heldout_samples = max(1, s.samples // 8)
+        return s
+
+    def validate(self) -> None:
+        if self.window < 2:
+            raise SketchcalError(f"--window must be at least 2 (got {self.window})")
+        for name in ("samples", "seq_len", "batch_size"):
+            if getattr(self, name) < 1:
+                raise SketchcalError(
+                    f"--{name.replace('_', '-')} must be positive (got {getattr(self, name)})"
+                )
+        if self.gen_tokens < 0 or self.heldout_windows < 0 or (self.heldout_samples or 0) < 0:
+            raise SketchcalError("--gen-tokens, --heldout-samples and --heldout-windows must not be negative")
+        if self.gen_tokens == 0 and self.prompt_len is not None and not 0 <= self.prompt_len < self.seq_len:
+            raise SketchcalError(
+                f"--prompt-len {self.prompt_len} leaves no decoded tokens in samples of {self.seq_len}; "
+                "make it smaller than --seq-len or generate tokens with --gen-tokens"
+            )
+
+
+@dataclass
+class _Batch:
+    split: str
+    index: int  # global batch index: held-out batches come first
+    ids: list[list[int]]
+
+
+@dataclass
+class _Counters:
+    tokens: dict[str, dict[str, int]] = field(
+        default_factory=lambda: {s: {"prompt": 0, "decode": 0} for s in ("calib", "heldout")}
+    )
+    gen_seconds: float = 0.0
+    capture_seconds: float = 0.0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Runner:
+    def __init__(self, loaded: LoadedModel, settings: Settings, world: World):
+        self.loaded, self.s, self.world = loaded, settings, world
+        self.family = family(loaded.spec.family)
+        self.stats = {
+            (split, shape.layer): LayerStats(
+                shape, settings.window, settings.heldout_windows if split == "heldout" else 0
+            )
+            for split in ("calib", "heldout")
+            for shape in loaded.spec.layers
+        }
+        self.counters = _Counters()
+        tok = loaded.tokenizer
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self.eos_id = tok.eos_token_id
+
+    def _pad(self, ids: list[list[int]], left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(x) for x in ids)
+        rows, masks = [], []
+        for x in ids:
+            pad = [self.pad_id] * (width - len(x))
+            rows.append(pad + x if left else x + pad)
+            ones, zeros = [1] * len(x), [0] * (width - len(x))
+            masks.append(zeros + ones if left else ones + zeros)
+        dev = self.loaded.device
+        return torch.tensor(rows, device=dev), torch.tensor(masks, device=dev, dtype=torch.bool)
+
+    @torch.no_grad()
+    def process(self, batch: _Batch) -> None:
+        s, model, dev = self.s, self.loaded.model, self.loaded.device
+        if s.gen_tokens > 0:
+            ids, mask = self._pad(batch.ids, left=True)
+            prompt_end = ids.shape[1]
+            torch.manual_seed(s.seed * 1_000_003 + batch.index)
+            _sync(dev)
+            t0 = time.perf_counter()
+            seq = model.generate(
+                input_ids=ids,
+                attention_mask=mask.long(),
+                max_new_tokens=s.gen_tokens,
+                do_sample=s.do_sample,
+                temperature=s.temperature if s.do_sample else None,
+                top_p=None,
+                top_k=None,
+                pad_token_id=self.pad_id,
+            )
+            _sync(dev)
+            self.counters.gen_seconds += time.perf_counter() - t0
+            gen = seq[:, prompt_end:]
+            is_eos = (
+                gen == self.eos_id if self.eos_id is not None else torch.zeros_like(gen, dtype=torch.bool)
+            )
+            after_eos = (is_eos.long().cumsum(1) - is_eos.long()) > 0
+            valid = torch.cat([mask, ~after_eos], dim=1)
+        else:
+            seq, valid = self._pad(batch.ids, left=False)
+            prompt_end = s.prompt_len
+        tokens = self.counters.tokens[batch.split]
+        tokens["prompt"] += int(valid[:, :prompt_end].sum())
+        tokens["decode"] += int(valid[:, prompt_end:].sum())
+
+        def on_call(call: MixerCall) -> None:
+            self.stats[(batch.split, call.layer)].update(self.family, call.inputs, valid, prompt_end)
+
+        _sync(dev)
+        t0 = time.perf_counter()
+        with MixerTap(model, self.loaded.spec, on_call):
+            model(input_ids=seq, attention_mask=valid.long(), use_cache=False, logits_to_keep=1)
+        _sync(dev)
+        self.counters.capture_seconds += time.perf_counter() - t0
+
+    def reduce_into(self, totals: dict[str, torch.Tensor]) -> None:
+        """All-reduce this round's sums over ranks and add them to ``totals`` (CPU, on rank 0)."""
+        for (split, layer), st in self.stats.items():
+            for name, delta in st.take_sums().items() if st.sums else []:
+                delta = self.world.all_reduce(delta).cpu()
+                key = f"layers.{layer}.{split}.{name}"
+                totals[key] = totals[key] + delta if key in totals else delta
+            for name, t in st.kept_windows().items():
+                if t.shape[0]:
+                    totals[f"layers.{layer}.{split}.{name}"] = t
+
+    def ensure_all_layers(self, totals: dict[str, torch.Tensor]) -> None:
+        """Layers that saw no data (e.g. an empty held-out split) still get zero sums."""
+        for (split, layer), st in self.stats.items():
+            if f"layers.{layer}.{split}.E" not in totals:
+                st._init(torch.device("cpu"))
+                for name, t in st.take_sums().items():
+                    totals[f"layers.{layer}.{split}.{name}"] = t
+            for name, t in st.kept_windows().items():
+                totals.setdefault(f"layers.{layer}.{split}.{name}", t)
+
+
+def _check_finite(totals: dict[str, torch.Tensor]) -> None:
+    for name, t in totals.items():
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            layer = name.split(".")[1]
+            raise SketchcalError(
+                f"NaN or Inf in the statistics of layer {layer} ({name}): the model produced non-finite "
+                "values; try --dtype float32 or check the model"
+            )
+
+
+def calibrate(
+    model: str | None = None,
+    *,
+    out: str | Path = "stats",
+    data: str | None = None,
+    samples: int = 64,
+    seq_len: int = 256,
+    gen_tokens: int = 0,
+    prompt_len: int | None = None,
+    window: int = 16,
+    heldout_samples: int | None = None,
+    heldout_windows: int = 64,
+    batch_size: int = 8,
+    seed: int = 0,
+    chat_template: bool = False,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    device: str = "auto",
+    dtype: str = "auto",
+    device_map: str | None = None,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    text_field: str = "text",
+    data_revision: str | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    save_every: int = 4,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Capture window statistics of ``model`` and write a statistics directory to ``out``.
+
+    ``model``: Hub id, local directory or ``builtin:NAME`` (None: the package's default).
+    ``data``: None for the built-in corpus, a local .txt/.jsonl/.parquet file or directory, or a
+    Hugging Face dataset id. Samples are ``seq_len`` tokens. With ``gen_tokens`` > 0 each sample is
+    a prompt followed by that many generated tokens, and only those are decoded; otherwise the
+    first ``prompt_len`` tokens (default: half) are the prompt and the rest is teacher-forced.
+    Windows of ``window`` tokens start at the end of the prompt. ``save_every`` rounds of batches
+    the progress is saved, so an interrupted run continues with ``resume=True``.
+
+    Returns the manifest written to ``out/manifest.json``.
+    """
+    args = locals()
+    settings = Settings(**{f.name: args[f.name] for f in fields(Settings)})
+    settings.validate()
+    settings = settings.resolved()
+    if save_every < 1:
+        raise SketchcalError("--save-every must be positive")
+    out = Path(out)
+    dev = resolve_device(device)
+    world = init_world(dev)
+    if world.size > 1 and dev.startswith("cuda"):
+        dev = f"cuda:{world.local_rank}"
+    if world.is_main:
+        prepare_out_dir(out, resume=resume, overwrite=overwrite, clear=False)
+
+    from sketchcal.data import build_samples
+    from sketchcal.ui import console, progress_bar, summary_table
+
+    loaded = load_model(
+        model,
+        revision=revision,
+        device=dev,
+        dtype=dtype,
+        device_map=device_map,
+        trust_remote_code=trust_remote_code,
+    )
+    sample_set = build_samples(
+        loaded.tokenizer, data, num_samples=settings.samples, seq_len=settings.seq_len,
+        heldout_samples=settings.heldout_samples, seed=seed, chat_template=chat_template,
+        text_field=text_field, revision=data_revision,
+    )  # fmt: skip
+    if world.is_main:
+        prepare_out_dir(out, resume=resume, overwrite=overwrite, clear=True)
+    world.barrier()
+    run_id = {
+        "settings": asdict(settings),
+        "fingerprint": loaded.spec.fingerprint,
+        "data_sha256": sample_set.info.get("sha256"),
+    }
+
+    bs = settings.batch_size
+    batches = [
+        _Batch(split, 0, ids[i : i + bs])
+        for split, ids in (("heldout", sample_set.heldout), ("calib", sample_set.calib))
+        for i in range(0, len(ids), bs)
+    ]
+    for i, b in enumerate(batches):
+        b.index = i
+    rounds = math.ceil(len(batches) / world.size)
+
+    runner = _Runner(loaded, settings, world)
+    totals: dict[str, torch.Tensor] = {}
+    start = 0
+    if resume:
+        state, totals = load_progress(out) if world.is_main else ({}, {})
+        state = world.broadcast_object(state)
+        if state.get("run") != run_id:
+            raise SketchcalError(
+                f"the interrupted run in {out} used other settings, model or data; rerun it with the same "
+                "arguments, or start again with --overwrite"
+            )
+        start = state["round_done"]
+        runner.counters = _Counters(**state["counters"])
+        for st in runner.stats.values():
+            st._kept_count = st.keep_windows  # the held-out sample is taken in round 0, already saved
+
+    t_start = time.perf_counter()
+    try:
+        with progress_bar(enabled=progress and world.is_main) as bar:
+            task = bar.add_task(f"calibrating {loaded.model_id}", total=rounds, completed=start)
+            for r in range(start, rounds):
+                gb = r * world.size + world.rank
+                if gb < len(batches):
+                    runner.process(batches[gb])
+                if (r + 1) % save_every == 0 or r + 1 == rounds:
+                    runner.reduce_into(totals)
+                    if world.is_main:
+                        _check_finite(totals)
+                        state = {"run": run_id, "counters": asdict(runner.counters)}
+                        save_progress(out, r + 1, totals, state)
+                bar.update(task, advance=1)
+    except KeyboardInterrupt:
+        if world.is_main:
+            console.print(
+                f"[yellow]interrupted; rerun with --resume to continue from the last saved round in {out}"
+            )
+        raise
+
+    elapsed = time.perf_counter() - t_start
+    if not world.is_main:
+        world.barrier()
+        return {}
+    runner.ensure_all_layers(totals)
+    c = runner.counters
+    all_tokens = sum(v for split in c.tokens.values() for v in split.values())
+    peak_host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (Linux reports KiB)
+    timing = {
+        "seconds": round(elapsed, 3),
+        "tokens_per_second": round(all_tokens / elapsed, 1) if elapsed > 0 else None,
+        "generation_seconds": round(c.gen_seconds, 3),
+        "capture_seconds": round(c.capture_seconds, 3),
+        "peak_host_memory_mib": round(peak_host, 1),
+        "peak_device_memory_mib": round(torch.cuda.max_memory_allocated() / 2**20, 1)
+        if loaded.device.type == "cuda"
+        else None,
+        "world_size": world.size,
+        "resumed": bool(resume),
+    }
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "complete": False,
+        "tool": {"name": "sketchcal", "version": sketchcal.__version__},
+        "model": {
+            "id": loaded.model_id,
+            "revision": loaded.revision,
+            "model_type": loaded.spec.arch.model_type,
+            "family": loaded.spec.family,
+            "fingerprint": loaded.spec.fingerprint,
+            "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
+        },
+        "data": sample_set.info,
+        "seed": seed,
+        "window": settings.window,
+        "seq_len": settings.seq_len,
+        "gen_tokens": settings.gen_tokens,
+        "prompt_len": settings.prompt_len,
+        "do_sample": settings.do_sample,
+        "chat_template": settings.chat_template,
+        "tokens": c.tokens,
+        "samples": {"calib": len(sample_set.calib), "heldout": len(sample_set.heldout)},
+        "timing": timing,
+        "layers": [shape.as_dict() for shape in loaded.spec.layers],
+    }
+    manifest = write_final(out, totals, manifest)
+    console.print(summary_table(manifest, totals))
+    world.barrier()
+    return manifest

@@ -1,0 +1,112 @@
+"""The ``sketchcal`` command line: a thin Typer shell over the Python API."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from sketchcal.errors import SketchcalError
+
+app = typer.Typer(
+    name="sketchcal",
+    help="Calibrate, convert, verify and benchmark SketchSSM read sketches for hybrid models.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def _root() -> None:
+    """sketchcal: offline calibration for SketchSSM decoding."""
+
+
+@app.command()
+def calibrate(
+    model: Annotated[
+        str | None, typer.Argument(help="Hub id, local directory or builtin:NAME (default: builtin:tiny-gdn)")
+    ] = None,
+    out: Annotated[Path, typer.Option(help="Statistics directory to write")] = Path("stats"),
+    data: Annotated[
+        str | None,
+        typer.Option(help="builtin (default), a .txt/.jsonl/.parquet file or folder, or a dataset id"),
+    ] = None,
+    samples: Annotated[int, typer.Option(help="Calibration samples")] = 64,
+    seq_len: Annotated[int, typer.Option(help="Tokens per sample")] = 256,
+    gen_tokens: Annotated[
+        int, typer.Option(help="Tokens to generate after each sample (0: teacher-forced)")
+    ] = 0,
+    prompt_len: Annotated[
+        int | None, typer.Option(help="Prompt tokens when not generating (default: half the sample)")
+    ] = None,
+    window: Annotated[int, typer.Option(help="Window length L (tokens per flush)")] = 16,
+    heldout_samples: Annotated[int | None, typer.Option(help="Held-out samples (default: samples/8)")] = None,
+    heldout_windows: Annotated[int, typer.Option(help="Held-out windows kept verbatim per layer")] = 64,
+    batch_size: Annotated[int, typer.Option(help="Samples per batch")] = 8,
+    seed: Annotated[int, typer.Option(help="Seed for sample selection and sampling")] = 0,
+    chat_template: Annotated[
+        bool, typer.Option(help="Wrap samples in the tokenizer's chat template")
+    ] = False,
+    sample: Annotated[bool, typer.Option("--sample/--greedy", help="Sample generated tokens")] = False,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature")] = 1.0,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N")] = "auto",
+    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16, float16")] = "auto",
+    device_map: Annotated[
+        str | None, typer.Option(help="e.g. auto: split a large model over the GPUs")
+    ] = None,
+    revision: Annotated[str | None, typer.Option(help="Model revision (branch, tag or commit)")] = None,
+    trust_remote_code: Annotated[
+        bool, typer.Option(help="Allow the model's own code (only if you trust it)")
+    ] = False,
+    text_field: Annotated[str, typer.Option(help="Text field of .jsonl/.parquet/dataset rows")] = "text",
+    data_revision: Annotated[str | None, typer.Option(help="Dataset revision")] = None,
+    resume: Annotated[bool, typer.Option(help="Continue an interrupted run in --out")] = False,
+    overwrite: Annotated[bool, typer.Option(help="Replace the statistics in --out")] = False,
+    save_every: Annotated[int, typer.Option(help="Save progress every N rounds of batches")] = 4,
+) -> None:
+    """Capture window-aligned state and effective-query statistics of MODEL."""
+    from sketchcal import calibrate as run
+
+    run(
+        model,
+        out=out,
+        data=data,
+        samples=samples,
+        seq_len=seq_len,
+        gen_tokens=gen_tokens,
+        prompt_len=prompt_len,
+        window=window,
+        heldout_samples=heldout_samples,
+        heldout_windows=heldout_windows,
+        batch_size=batch_size,
+        seed=seed,
+        chat_template=chat_template,
+        do_sample=sample,
+        temperature=temperature,
+        device=device,
+        dtype=dtype,
+        device_map=device_map,
+        revision=revision,
+        trust_remote_code=trust_remote_code,
+        text_field=text_field,
+        data_revision=data_revision,
+        resume=resume,
+        overwrite=overwrite,
+        save_every=save_every,
+    )
+
+
+def main() -> None:
+    """Console entry point: user errors are one line on stderr and exit status 2."""
+    try:
+        app()
+    except SketchcalError as err:
+        from sketchcal.ui import console
+
+        console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,126 @@
+"""Load a model (a Hub id, a local directory, or a built-in tiny model) with its tokenizer."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from sketchcal.errors import SketchcalError
+from sketchcal.models.capture import use_torch_path
+from sketchcal.models.registry import ARCHITECTURES, supported_summary
+from sketchcal.models.spec import ModelSpec, describe
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+
+# Built-in models: name -> model_type of the tiny config (random weights, seed 0, shipped tokenizer).
+BUILTIN_MODELS = {"tiny-gdn": "qwen3_5_text", "tiny-mamba2": "nemotron_h", "tiny-kda": "kimi_linear"}
+DEFAULT_MODEL = "builtin:tiny-gdn"
+
+DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: object
+    spec: ModelSpec
+    model_id: str
+    revision: str | None
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SketchcalError(
+            f"--device {device} asked for, but no CUDA device is available; use --device cpu"
+        )
+    return device
+
+
+def _load_builtin(name: str, device: str) -> LoadedModel:
+    import transformers as tf
+
+    from sketchcal.models.tiny import tiny_config
+
+    key = name.removeprefix("builtin:")
+    if key not in BUILTIN_MODELS:
+        raise SketchcalError(f"unknown built-in model {name!r}; choose one of {', '.join(BUILTIN_MODELS)}")
+    tokenizer = tf.AutoTokenizer.from_pretrained(ASSETS / "tokenizer")
+    config = tiny_config(BUILTIN_MODELS[key], vocab_size=len(tokenizer))
+    config.pad_token_id = config.eos_token_id = config.bos_token_id = tokenizer.eos_token_id
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = tf.AutoModelForCausalLM.from_config(config).eval()
+    model.generation_config.pad_token_id = tokenizer.eos_token_id
+    return LoadedModel(model.to(device), tokenizer, describe(model), f"builtin:{key}", None)
+
+
+def load_model(
+    model: str | None = None,
+    *,
+    revision: str | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    device_map: str | None = None,
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    """Load ``model`` for calibration or evaluation.
+
+    ``model``: a Hub id, a local directory, or ``builtin:NAME`` (None = the package default).
+    The architecture is checked from the config before any weights are read. On the CPU the
+    mixers are bound to transformers' torch references.
+    """
+    if model is None or model.startswith("builtin:"):
+        loaded = _load_builtin(model or DEFAULT_MODEL, resolve_device(device))
+    else:
+        loaded = _load_pretrained(model, revision, device, dtype, device_map, trust_remote_code)
+    if loaded.device.type == "cpu":
+        use_torch_path(loaded.spec)
+    return loaded
+
+
+def _load_pretrained(model, revision, device, dtype, device_map, trust_remote_code) -> LoadedModel:
+    import transformers as tf
+
+    if dtype not in DTYPES:
+        raise SketchcalError(f"unknown --dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    local = Path(model).expanduser()
+    if not local.exists() and (
+        model.startswith((".", "/", "~")) or os.sep in model.strip("/").replace("/", "", 1)
+    ):
+        raise SketchcalError(f"model directory {model} does not exist; give a local directory or a Hub id")
+    try:
+        config = tf.AutoConfig.from_pretrained(model, revision=revision, trust_remote_code=trust_remote_code)
+    except OSError as err:
+        offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+        hint = (
+            "it is not in the local cache and HF_HUB_OFFLINE=1" if offline else "check the id or your network"
+        )
+        raise SketchcalError(f"cannot load the config of {model!r}: {hint}") from err
+    except ValueError as err:
+        raise SketchcalError(f"cannot load {model!r}: {str(err).splitlines()[0]}") from err
+    if config.model_type not in ARCHITECTURES:
+        raise SketchcalError(
+            f"unsupported architecture {config.model_type!r}: sketchcal supports {supported_summary()}"
+        )
+    kwargs = dict(revision=revision, trust_remote_code=trust_remote_code, dtype=DTYPES[dtype])
+    if device_map:
+        kwargs["device_map"] = device_map
+    net = tf.AutoModelForCausalLM.from_pretrained(model, **kwargs).eval()
+    if not device_map:
+        net = net.to(resolve_device(device))
+    tokenizer = tf.AutoTokenizer.from_pretrained(
+        model, revision=revision, trust_remote_code=trust_remote_code
+    )
+    resolved = getattr(config, "_commit_hash", None) or revision
+    model_id = str(local.resolve()) if local.exists() else model
+    return LoadedModel(net, tokenizer, describe(net), model_id, resolved)
