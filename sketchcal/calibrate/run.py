@@ -171,7 +171,7 @@ class _Runner:
     def reduce_into(self, totals: dict[str, torch.Tensor]) -> None:
         """All-reduce this round's sums over ranks and add them to ``totals`` (CPU, on rank 0)."""
         for (split, layer), st in self.stats.items():
-            for name, delta in st.take_sums().items() if st.sums else []:
+            for name, delta in st.take_sums().items():
                 delta = self.world.all_reduce(delta).cpu()
                 key = f"layers.{layer}.{split}.{name}"
                 totals[key] = totals[key] + delta if key in totals else delta
@@ -180,12 +180,8 @@ class _Runner:
                     totals[f"layers.{layer}.{split}.{name}"] = t
 
     def ensure_all_layers(self, totals: dict[str, torch.Tensor]) -> None:
-        """Layers that saw no data (e.g. an empty held-out split) still get zero sums."""
+        """Held-out window tensors exist even when no window was kept (empty, with the right shapes)."""
         for (split, layer), st in self.stats.items():
-            if f"layers.{layer}.{split}.E" not in totals:
-                st._init(torch.device("cpu"))
-                for name, t in st.take_sums().items():
-                    totals[f"layers.{layer}.{split}.{name}"] = t
             for name, t in st.kept_windows().items():
                 totals.setdefault(f"layers.{layer}.{split}.{name}", t)
 
@@ -277,7 +273,7 @@ def calibrate(
     run_id = {
         "settings": asdict(settings),
         "fingerprint": loaded.spec.fingerprint,
-        "data_sha256": sample_set.info.get("sha256"),
+        "data": sample_set.info,
     }
 
     bs = settings.batch_size

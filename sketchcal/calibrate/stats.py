@@ -23,17 +23,20 @@ _BLOCK_BYTES = 512 * 2**20
 
 
 class LayerStats:
-    """Sums for one layer and one data split; tensors live on the device of the first update.
+    """Sums for one layer and one data split, kept on ``device`` (the layer's device).
 
     ``keep_windows`` > 0 also keeps the first that many counted windows verbatim (checkpoint and
     effective queries, float32), the held-out sample that measures real read errors.
     """
 
-    def __init__(self, shape: LayerShape, window: int, keep_windows: int = 0):
+    def __init__(
+        self, shape: LayerShape, window: int, keep_windows: int = 0, device: str | torch.device = "cpu"
+    ):
         self.shape, self.window, self.keep_windows = shape, window, keep_windows
         self.sums: dict[str, Tensor] = {}
         self.kept: dict[str, list[Tensor]] = {name: [] for name in WINDOW_FIELDS}
         self._kept_count = 0
+        self._init(torch.device(device))
 
     def _init(self, device: torch.device) -> None:
         h, k = self.shape.heads, self.shape.key_dim
@@ -51,8 +54,6 @@ class LayerStats:
     def update(self, family: Family, x: StepInputs, valid: Tensor, prompt_end: int) -> None:
         """Add one batch: ``x`` float64 [B, T, H, ...], ``valid`` [B, T] bool, windows aligned to
         ``prompt_end`` (tokens before it are the prompt)."""
-        if not self.sums:
-            self._init(x.k.device)
         lay = to_windows(x, valid.to(x.k.device), prompt_end, self.window)
         b, n, ln = lay.valid.shape
         h, kd, vd = self.shape.heads, self.shape.key_dim, self.shape.value_dim
