@@ -101,8 +101,9 @@ def _free_port() -> int:
 
 
 def _worker(rank, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
-                      LOCAL_RANK=str(rank))  # fmt: skip
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     sketchcal.calibrate(out=out, **SMALL)
     torch.distributed.destroy_process_group()
@@ -220,8 +221,11 @@ def test_cli_error_is_one_line(tmp_path):
     (out / "x").write_text("")
     proc = subprocess.run(
         [sys.executable, "-m", "sketchcal", "calibrate", "--out", str(out)],
-        capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "COLUMNS": "300"},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "COLUMNS": "300"},
+    )
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and "not empty" in lines[0]

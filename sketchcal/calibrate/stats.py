@@ -19,7 +19,7 @@ SUM_FIELDS = ("E", "C", "read_energy", "E_col4", "C_col4", "n_checkpoints", "n_r
 WINDOW_FIELDS = ("windows.S", "windows.u", "windows.mask")
 
 # Upper bound on the float64 working set of one window block, in bytes.
-_BLOCK_BYTES = 512 * 2**20
+_BLOCK_BYTES = 2**30
 
 
 class LayerStats:
