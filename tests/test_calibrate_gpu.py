@@ -1,0 +1,44 @@
+"""Calibration on a CUDA device gives the statistics the CPU gives (float64 sums of float32 inputs)."""
+
+import pytest
+import torch
+
+import sketchcal
+from sketchcal.calibrate.store import load_stats_tensors
+from sketchcal.data import builtin_tokenizer_path
+
+pytestmark = pytest.mark.gpu
+
+SMALL = dict(
+    samples=8, seq_len=96, batch_size=4, heldout_samples=4, heldout_windows=4, progress=False, dtype="float32"
+)
+
+
+@pytest.mark.parametrize("model", ["builtin:tiny-gdn", "builtin:tiny-mamba2", "builtin:tiny-kda"])
+def test_cuda_statistics_match_cpu(tmp_path, model):
+    cpu = load_stats_tensors(
+        sketchcal.calibrate(model, out=tmp_path / "cpu", device="cpu", **SMALL) and tmp_path / "cpu"
+    )[1]
+    gpu = load_stats_tensors(
+        sketchcal.calibrate(model, out=tmp_path / "gpu", device="cuda", **SMALL) and tmp_path / "gpu"
+    )[1]
+    assert cpu.keys() == gpu.keys()
+    for name, ref in cpu.items():
+        if ref.is_floating_point() and ref.norm() > 0:
+            err = ((gpu[name].double() - ref.double()).norm() / ref.double().norm()).item()
+            assert err < 1e-4, f"{name}: {err:.2e}"  # float32 model arithmetic differs across devices
+        elif not ref.is_floating_point():
+            assert torch.equal(ref, gpu[name]), name
+
+
+def test_device_map_auto(tmp_path):
+    pytest.importorskip("accelerate")
+    import transformers as tf
+
+    from sketchcal.models.tiny import tiny_config
+
+    model_dir = tmp_path / "m"
+    tf.AutoModelForCausalLM.from_config(tiny_config("qwen3_5_text")).save_pretrained(model_dir)
+    tf.AutoTokenizer.from_pretrained(builtin_tokenizer_path()).save_pretrained(model_dir)
+    manifest = sketchcal.calibrate(str(model_dir), out=tmp_path / "s", device_map="auto", **SMALL)
+    assert manifest["complete"] and manifest["tokens"]["calib"]["decode"] == 8 * 48
