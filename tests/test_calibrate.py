@@ -235,5 +235,5 @@ def test_shards_are_safetensors_only(tmp_path):
     out = tmp_path / "s"
     sketchcal.calibrate(out=out, **SMALL)
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["manifest.json", "stats-00001-of-00001.safetensors"]
-    assert load_file(str(out / names[1]))
+    assert names == ["calibration.png", "manifest.json", "stats-00001-of-00001.safetensors"]
+    assert load_file(str(out / names[2]))

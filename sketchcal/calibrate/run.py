@@ -13,6 +13,7 @@ import torch
 
 import sketchcal
 from sketchcal.calibrate.distributed import World, init_world
+from sketchcal.calibrate.plots import spectra_plot
 from sketchcal.calibrate.stats import LayerStats
 from sketchcal.calibrate.store import (
     FORMAT,
@@ -371,6 +372,8 @@ def calibrate(
         "layers": [shape.as_dict() for shape in loaded.spec.layers],
     }
     manifest = write_final(out, totals, manifest)
+    spectra_plot(out / "calibration.png", manifest, totals)
     console.print(summary_table(manifest, totals))
+    console.print(f"statistics in {out}/ · spectra plot {out / 'calibration.png'}")
     world.barrier()
     return manifest
