@@ -173,6 +173,8 @@ class _Runner:
         """All-reduce this round's sums over ranks and add them to ``totals`` (CPU, on rank 0)."""
         for (split, layer), st in self.stats.items():
             for name, delta in st.take_sums().items():
+                if self.world.size > 1:  # every rank must reduce on the same kind of device (NCCL: CUDA)
+                    delta = delta.to(self.loaded.device)
                 delta = self.world.all_reduce(delta).cpu()
                 key = f"layers.{layer}.{split}.{name}"
                 totals[key] = totals[key] + delta if key in totals else delta

@@ -54,6 +54,8 @@ class LayerStats:
     def update(self, family: Family, x: StepInputs, valid: Tensor, prompt_end: int) -> None:
         """Add one batch: ``x`` float64 [B, T, H, ...], ``valid`` [B, T] bool, windows aligned to
         ``prompt_end`` (tokens before it are the prompt)."""
+        if self.sums["E"].device != x.k.device:  # follow the layer's inputs (device maps, offloading)
+            self.sums = {name: t.to(x.k.device) for name, t in self.sums.items()}
         lay = to_windows(x, valid.to(x.k.device), prompt_end, self.window)
         b, n, ln = lay.valid.shape
         h, kd, vd = self.shape.heads, self.shape.key_dim, self.shape.value_dim
