@@ -77,7 +77,7 @@ def one_run(args: argparse.Namespace) -> dict:
         loaded = load_model(args.model, device=args.device, dtype=args.dtype)
         samples = build_samples(loaded.tokenizer, None, num_samples=args.samples, seq_len=args.seq_len)
         ids = torch.tensor(samples.calib, device=loaded.device)
-        loaded.model.generate(ids[:1, :32], max_new_tokens=4, do_sample=False)  # warm-up
+        loaded.model.generate(ids[: args.batch_size], max_new_tokens=2, do_sample=False)  # warm-up
         if loaded.device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()

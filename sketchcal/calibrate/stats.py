@@ -12,13 +12,13 @@ import torch
 from torch import Tensor
 
 from sketchcal.calibrate.windows import to_windows
-from sketchcal.kernels.common import Family, StepInputs, effective_queries, window_transfer
+from sketchcal.kernels.common import Family, StepInputs, effective_queries, step
 from sketchcal.models import LayerShape
 
 SUM_FIELDS = ("E", "C", "read_energy", "E_col4", "C_col4", "n_checkpoints", "n_reads")
 WINDOW_FIELDS = ("windows.S", "windows.u", "windows.mask")
 
-# Upper bound on the float64 working set of one window block, in bytes.
+# Upper bound on the float64 checkpoints held at once, in bytes.
 _BLOCK_BYTES = 2**30
 
 
@@ -59,26 +59,25 @@ class LayerStats:
         lay = to_windows(x, valid.to(x.k.device), prompt_end, self.window)
         b, n, ln = lay.valid.shape
         h, kd, vd = self.shape.heads, self.shape.key_dim, self.shape.value_dim
-        per_window = b * h * kd * (kd + vd) * 8 * 3
-        block = max(1, _BLOCK_BYTES // per_window)
+        block = max(1, _BLOCK_BYTES // (b * h * kd * vd * 8))  # checkpoints held at once
         state = x.k.new_zeros(b, h, kd, vd)
-        for start in range(0, n, block):
-            stop = min(n, start + block)
-            xb = lay.inputs.map(lambda f, a=start, z=stop: f[:, a:z])
-            m, w = window_transfer(family, xb)  # [B, nb, H, K, K], [B, nb, H, K, V]
-            ckpts = []
-            for j in range(stop - start):
+        ckpts: list[Tensor] = []
+        for j in range(n):
+            if j >= lay.first_decode:
                 ckpts.append(state)
-                state = torch.einsum("bhkl,bhlv->bhkv", m[:, j], state) + w[:, j]
-            del m, w
-            first = max(start, lay.first_decode)
-            if first >= stop:
-                continue
-            sel = slice(first - start, stop - start)
-            s_c = torch.stack(ckpts, dim=1)[:, sel]  # [B, nd, H, K, V]
-            reads = xb.map(lambda f, s=sel: f[:, s, : ln - 1])  # the L-1 non-flush reads
-            read_valid = lay.valid[:, first:stop, : ln - 1]
-            self._accumulate(family, s_c, reads, read_valid)
+            if len(ckpts) == block or (ckpts and j == n - 1):
+                first = j + 1 - len(ckpts)
+                reads = lay.inputs.map(
+                    lambda f, a=first, z=j + 1: f[:, a:z, : ln - 1]
+                )  # the L-1 non-flush reads
+                self._accumulate(
+                    family, torch.stack(ckpts, dim=1), reads, lay.valid[:, first : j + 1, : ln - 1]
+                )
+                ckpts = []
+            if j < n - 1:  # fold window j into the next checkpoint, token by token
+                xw = lay.inputs.map(lambda f, i=j: f[:, i])
+                for t in range(ln):
+                    state = step(family, state, xw.tokens(t))
 
     def _accumulate(self, family: Family, s_c: Tensor, reads: StepInputs, read_valid: Tensor) -> None:
         ck_mask = read_valid.any(-1).to(s_c.dtype)  # a checkpoint counts if a read follows it
