@@ -1,0 +1,553 @@
+"""``sketchcal bench``: decode-kernel speed at real model shapes, on a CUDA device.
+
+For one family and batch size it times, side by side in one run:
+
+- ``standard``: our standard step (read the fp32 state, update, write);
+- ``anchor``: the public kernel for the same step (fla 0.6.0 ``fused_recurrent`` for GDN and
+  KDA, mamba_ssm's ``selective_state_update`` for Mamba-2), when importable;
+- the ReplaySSM window: (L − 1) replay steps + 1 flush, and the SketchSSM window: (L − 1)
+  sketch steps + 1 flush (Mamba-2/GDN: plus the k/q rotation of every step), each per window
+  and per component;
+- a device-to-device copy (bytes read + bytes written), the bandwidth ceiling.
+
+Every timing replays a CUDA graph over ``pools`` (≥ 4) independent state pools in turn, so the
+state is never L2-resident. Bytes follow the project's byte model (each tensor read or written
+once per call: state, read copy or sketch rows, buffered tokens, inputs, outputs).
+Speedup = L · standard ÷ window.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from sketchcal.errors import SketchcalError
+from sketchcal.kernels.common import decode
+from sketchcal.kernels.common.decode import KernelConfig
+from sketchcal.kernels.common.pool import (
+    ROTATED,
+    DecodePool,
+    SketchTables,
+    allocate_pool,
+    check_family,
+    random_sketch,
+    rank_spread,
+)
+from sketchcal.kernels.common.recurrence import StepInputs
+from sketchcal.kernels.common.testing import random_inputs
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    heads: int
+    groups: int
+    key_dim: int
+    value_dim: int
+
+
+MODEL_SHAPES = {
+    "gdn": ModelShape("Qwen3.5-4B GDN", heads=32, groups=16, key_dim=128, value_dim=128),
+    "kda": ModelShape("Kimi-Linear-48B KDA", heads=32, groups=32, key_dim=128, value_dim=128),
+    "mamba2": ModelShape("Nemotron-3-Nano Mamba-2", heads=64, groups=8, key_dim=128, value_dim=64),
+}
+
+READ_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+# launch shapes tried with ``tune=True`` (block_v, num_warps); block_v is clipped to V
+TUNE_CANDIDATES = {
+    "standard": [(64, 4), (32, 2), (16, 1)],
+    "read": [(128, 2), (64, 1), (32, 1)],
+    "flush": [(32, 4), (32, 2), (16, 1), (8, 1)],
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# timing
+# ----------------------------------------------------------------------------------------------
+
+
+class _Timer:
+    """Median time of ``fn`` (µs per call): CUDA graph replays timed by events on a GPU; a plain
+    wall clock for the CPU dry run (``TRITON_INTERPRET=1``, used by the tests)."""
+
+    def __init__(self, cuda: bool, replays: int = 10):
+        self.cuda = cuda
+        self.replays = replays
+
+    def __call__(self, fn: Callable[[], None], calls: int) -> float:
+        if not self.cuda:
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e6 / calls
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()  # compile and warm outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(self.replays):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        del graph
+        return statistics.median(times) / calls
+
+
+def copy_bandwidth(device, nbytes: int = 1 << 30, replays: int = 20) -> float:
+    """Device-to-device copy bandwidth in TB/s, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    # eager, not graph-captured: a captured copy becomes a memcpy node on the copy engine (slower)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return 2 * nbytes / (statistics.median(times) * 1e-6) / 1e12
+
+
+# ----------------------------------------------------------------------------------------------
+# byte model
+# ----------------------------------------------------------------------------------------------
+
+
+def _nbytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class ByteModel:
+    """Bytes each call moves through device memory, for one layer and B sequences."""
+
+    family: str
+    batch: int
+    shape: ModelShape
+    ranks: list[int]
+    read_bytes: int = 2  # read copy / sketch element
+    input_bytes: int = 2
+
+    @property
+    def _h(self):
+        s = self.shape
+        return s.heads, s.groups, s.key_dim, s.value_dim
+
+    def token(self) -> int:
+        """One token's inputs (k, w, decay, beta) as buffered, per sequence."""
+        h, g, kd, vd = self._h
+        decay = h * kd * 4 if self.family == "kda" else h * 4
+        beta = 0 if self.family == "mamba2" else h * 4
+        return g * kd * self.input_bytes + h * vd * self.input_bytes + decay + beta
+
+    def io(self) -> int:
+        """Inputs read and outputs written by one call for one token, per sequence."""
+        h, g, kd, vd = self._h
+        skip = h * vd * self.input_bytes if self.family == "mamba2" else 0
+        return self.token() + g * kd * self.input_bytes + skip + h * vd * self.input_bytes
+
+    def state(self) -> int:
+        h, _, kd, vd = self._h
+        return h * kd * vd * 4
+
+    def standard(self) -> int:
+        return self.batch * (2 * self.state() + self.io())
+
+    def rotate(self) -> int:
+        _, g, kd, _ = self._h
+        return self.batch * 4 * g * kd * self.input_bytes + g * kd * kd * 4
+
+    def replay_step(self, p: int) -> int:
+        h, _, kd, vd = self._h
+        return self.batch * (h * kd * vd * self.read_bytes + p * self.token() + self.token() + self.io())
+
+    def sketch_step(self, p: int) -> int:
+        _, _, kd, vd = self._h
+        rows = sum(m if m > 0 else kd for m in self.ranks)
+        maps = sum(self.ranks) * kd * 4  # shared by the batch: read once
+        extra = self.rotate() if self.family in ROTATED else 0
+        per_seq = rows * vd * self.read_bytes + p * self.token() + self.token() + self.io()
+        return self.batch * per_seq + maps + extra
+
+    def flush(self, n: int, sketch: bool) -> int:
+        h, _, kd, vd = self._h
+        # rows refreshed: the whole read copy (replay); m rows per sketch head (the rotated read copy's
+        # prefix, or KDA's sketch) and the whole read copy of a dense head (sketch)
+        rows = h * kd if not sketch else sum(m if m > 0 else kd for m in self.ranks)
+        extra = self.rotate() if sketch and self.family in ROTATED else 0
+        per_seq = 2 * self.state() + rows * vd * self.read_bytes + n * self.token() + self.io()
+        return self.batch * per_seq + extra
+
+    def window(self, window: int, sketch: bool) -> int:
+        step = self.sketch_step if sketch else self.replay_step
+        return sum(step(p) for p in range(window - 1)) + self.flush(window - 1, sketch)
+
+
+# ----------------------------------------------------------------------------------------------
+# anchors (public kernels, run side by side)
+# ----------------------------------------------------------------------------------------------
+
+
+def _anchor(family: str, pools: list[DecodePool], xs: list[StepInputs], slots: torch.Tensor, raw: dict):
+    """``(run, check)``: ``run(pool_index, token_index)`` launches the public kernel; ``check()``
+    runs it once on a copy of pool 0 and returns its output's relative difference from our
+    standard step on the same state and inputs. A string (why it is unavailable) instead."""
+    if family in ("gdn", "kda"):
+        try:
+            if family == "gdn":
+                from fla.ops.gated_delta_rule.fused_recurrent import (
+                    fused_recurrent_gated_delta_rule_fwd as fla_fn,
+                )
+            else:
+                from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd as fla_fn
+        except Exception as err:
+            return f"fla not importable ({type(err).__name__}: {err})"
+        args = []
+        for x in xs:
+            v = (x.w.float() / x.beta[..., None]).to(x.w.dtype)
+            args.append(dict(q=x.q, k=x.k, v=v, g=x.decay.log().contiguous(), beta=x.beta.contiguous()))
+        outs = [torch.empty_like(xs[0].w) for _ in pools]
+
+        def launch(state: torch.Tensor, t: int, out: torch.Tensor) -> torch.Tensor:
+            if family == "gdn":  # fla's GDN kernel writes a fresh final state (same bytes)
+                return fla_fn(**args[t], scale=1.0, initial_state=state, output_final_state=True)[0]
+            return fla_fn(**args[t], scale=1.0, initial_state=state, inplace_final_state=True,
+                          ssm_state_indices=slots, out=out)[0]
+
+        def run(i: int, t: int) -> None:
+            launch(pools[i].state, t, outs[i])
+
+        def check() -> float:
+            st = pools[0].state.clone()
+            theirs = launch(st.clone(), 0, torch.empty_like(xs[0].w)).float()
+            ours = decode.standard_step(family, st, slots, xs[0]).float()
+            return ((theirs - ours).norm() / ours.norm()).item()
+
+        return run, check
+    try:
+        from mamba_ssm.ops.triton.selective_state_update import selective_state_update
+    except Exception as err:
+        return f"mamba_ssm not importable ({type(err).__name__}: {err})"
+    h, kd, vd = pools[0].heads, pools[0].state.shape[2], pools[0].state.shape[3]
+    # mamba_ssm's layout is [N, H, head_dim, d_state] = [N, H, V, K]: the same bytes as ours
+    states = [p.state.transpose(-1, -2).contiguous() for p in pools]
+    a_mat = raw["A"][:, None, None].expand(h, vd, kd)
+    d_vec = raw["D"][:, None].expand(h, vd)
+    dt_bias = torch.zeros(h, device=slots.device)[:, None].expand(h, vd)
+    args = [
+        dict(x=raw["x"][t], dt=raw["dt"][t][:, :, None].expand(-1, -1, vd), B=x.k[:, 0], C=x.q[:, 0])
+        for t, x in enumerate(xs)
+    ]
+
+    def launch(state: torch.Tensor, t: int) -> torch.Tensor:
+        return selective_state_update(state, A=a_mat, D=d_vec, dt_bias=dt_bias, dt_softplus=True,
+                                      state_batch_indices=slots, **args[t])
+
+    def run(i: int, t: int) -> None:
+        launch(states[i], t)
+
+    def check() -> float:
+        st = pools[0].state.clone()
+        theirs = launch(st.transpose(-1, -2).contiguous(), 0).float()
+        ours = decode.standard_step(family, st, slots, xs[0])[:, 0].float()
+        return ((theirs - ours).norm() / ours.norm()).item()
+
+    return run, check
+
+
+def _mamba_raw(xs: list[StepInputs], heads: int, device) -> dict:
+    """Mamba-2 raw inputs (x, dt before softplus, A, D) and our inputs made consistent with them:
+    decay = exp(softplus(dt)·A), w = softplus(dt)·x, skip = D·x."""
+    a = -torch.rand(heads, device=device) - 0.5
+    d = torch.randn(heads, device=device)
+    raw = dict(A=a, D=d, x=[], dt=[])
+    for x in xs:
+        xin = x.w[:, 0].clone()
+        dt_raw = (torch.randn(x.w.shape[0], heads, device=device) - 2.0).to(xin.dtype)
+        dt = torch.nn.functional.softplus(dt_raw.float())
+        x.decay.copy_(torch.exp(dt * a)[:, None])
+        x.w.copy_((dt[..., None] * xin.float())[:, None].to(x.w.dtype))
+        x.skip.copy_((d[:, None] * xin.float())[:, None].to(x.skip.dtype))
+        raw["x"].append(xin)
+        raw["dt"].append(dt_raw)
+    return raw
+
+
+# ----------------------------------------------------------------------------------------------
+# the benchmark
+# ----------------------------------------------------------------------------------------------
+
+
+def _configs(family: str, configs: dict[str, KernelConfig] | None) -> dict[str, KernelConfig]:
+    d = decode.default_config
+    out = dict(standard=d("standard", family), replay=d("read", family), sketch=d("read", family),
+               flush_replay=d("flush", family), flush_sketch=d("flush_sketch", family))
+    out.update(configs or {})
+    return out
+
+
+def run_bench(
+    family: str,
+    batch: int,
+    rank: float = 8,
+    window: int = 16,
+    read_dtype: str = "bf16",
+    pools: int = 4,
+    *,
+    shape: ModelShape | None = None,
+    anchor: bool = True,
+    tune: bool = False,
+    configs: dict[str, KernelConfig] | None = None,
+    replays: int = 10,
+    seed: int = 0,
+    _cpu_dry_run: bool = False,
+) -> dict:
+    """Time the decode kernels of ``family`` at ``batch`` sequences; see the module docstring.
+
+    ``rank`` is the mean per-head rank (spread by :func:`rank_spread`; 0 = all heads dense),
+    ``window`` the window length L, ``read_dtype`` the read copy's dtype (``bf16`` or ``fp32``),
+    ``pools`` the number of state pools rotated through (≥ 4 keeps the L2 cold), ``tune`` tries
+    the launch shapes in ``TUNE_CANDIDATES`` first and keeps the fastest. Returns a JSON-able dict.
+    Raises :class:`SketchcalError` without a CUDA device.
+    """
+    check_family(family)
+    cuda = torch.cuda.is_available() and not _cpu_dry_run
+    if not cuda and not _cpu_dry_run:
+        raise SketchcalError(
+            "sketchcal bench needs a CUDA device and none is visible to torch; run it on a GPU machine"
+        )
+    if window < 2:
+        raise SketchcalError(f"--window must be at least 2, got {window}")
+    if read_dtype not in READ_DTYPES:
+        raise SketchcalError(f"--read-dtype must be one of {', '.join(READ_DTYPES)}, got {read_dtype!r}")
+    if pools < 1 or batch < 1:
+        raise SketchcalError("--batch and --pools must be positive")
+    shape = shape or MODEL_SHAPES[family]
+    dev = torch.device("cuda" if cuda else "cpu")
+    torch.manual_seed(seed)
+    h, g, kd, vd = shape.heads, shape.groups, shape.key_dim, shape.value_dim
+    ranks = rank_spread(h, rank, kd)
+    tables: SketchTables = random_sketch(family, ranks, g, kd, torch.Generator().manual_seed(seed)).to(dev)
+    rd = READ_DTYPES[read_dtype]
+    slots = torch.arange(batch, dtype=torch.int32, device=dev)
+    pos = [torch.full((batch,), p, dtype=torch.int32, device=dev) for p in range(window)]
+
+    def make_pool() -> DecodePool:
+        pool = allocate_pool(
+            family, batch, h, g, kd, vd, capacity=window, read_dtype=rd,
+            sketch_rows=tables.map_rows if family == "kda" else 0, device=dev,
+        )
+        pool.state.normal_(0.0, 0.3)
+        pool.read.copy_(pool.state)
+        if pool.sketch is not None:
+            pool.sketch.normal_(0.0, 0.3)
+        return pool
+
+    plist = [make_pool() for _ in range(pools)]
+    xs = [random_inputs(family, batch, 1, h, g, kd, vd, device=dev) for _ in range(window)]
+    outs = [torch.empty_like(xs[0].w) for _ in range(pools)]
+    scratch = (torch.empty_like(xs[0].k), torch.empty_like(xs[0].q))
+    raw = _mamba_raw(xs, h, dev) if family == "mamba2" else {}
+    timer = _Timer(cuda, replays)
+    cfg = _configs(family, configs)
+
+    def standard_fn(c: KernelConfig, steps: int = window) -> Callable[[], None]:
+        def fn() -> None:
+            for t in range(steps):
+                for i, pool in enumerate(plist):
+                    decode.standard_step(family, pool.state, slots, xs[t], outs[i], config=c)
+
+        return fn
+
+    def steps_fn(sketch: bool, c: KernelConfig) -> Callable[[], None]:
+        def fn() -> None:
+            for t in range(window - 1):
+                for i, pool in enumerate(plist):
+                    if sketch:
+                        decode.sketch_step(family, pool, tables, slots, pos[t], xs[t], outs[i],
+                                           scratch=scratch, config=c)
+                    else:
+                        decode.replay_step(family, pool, slots, pos[t], xs[t], outs[i], config=c)
+
+        return fn
+
+    def flush_fn(sketch: bool, c: KernelConfig) -> Callable[[], None]:
+        def fn() -> None:
+            for i, pool in enumerate(plist):
+                decode.flush(family, pool, slots, pos[window - 1], xs[window - 1], outs[i],
+                             tables=tables if sketch else None, scratch=scratch, config=c)
+
+        return fn
+
+    def window_fn(sketch: bool) -> Callable[[], None]:
+        steps = steps_fn(sketch, cfg["sketch" if sketch else "replay"])
+        fl = flush_fn(sketch, cfg["flush_sketch" if sketch else "flush_replay"])
+
+        def fn() -> None:
+            steps()
+            fl()
+
+        return fn
+
+    tuning: dict[str, list] = {}
+    if tune:
+        for kernel, kind, make, calls in (
+            ("standard", "standard", lambda c: standard_fn(c, 2), 2 * pools),
+            ("replay", "read", lambda c: steps_fn(False, c), (window - 1) * pools),
+            ("sketch", "read", lambda c: steps_fn(True, c), (window - 1) * pools),
+            ("flush_replay", "flush", lambda c: flush_fn(False, c), pools),
+            ("flush_sketch", "flush", lambda c: flush_fn(True, c), pools),
+        ):
+            seen, trials = set(), []
+            for bv, nw in TUNE_CANDIDATES[kind]:
+                c = KernelConfig(min(bv, vd), nw)
+                if c in seen:
+                    continue
+                seen.add(c)
+                try:
+                    trials.append((timer(make(c), calls), c))
+                except Exception as err:
+                    trials.append((math.inf, c))
+                    tuning.setdefault("errors", []).append(f"{kernel} {c}: {type(err).__name__}")
+            best = min(trials, key=lambda tc: tc[0])
+            cfg[kernel] = best[1]
+            tuning[kernel] = [dict(us=round(t, 2), **asdict(c)) for t, c in trials]
+
+    bm = ByteModel(family, batch, shape, ranks, read_bytes=_nbytes(rd))
+    copy_tbps = copy_bandwidth(dev) if cuda else float("nan")
+    ops: dict[str, dict] = {}
+
+    def record(name: str, us: float, nbytes: int) -> None:
+        tbps = nbytes / (us * 1e-6) / 1e12 if us > 0 else float("nan")
+        ops[name] = dict(us=us, bytes=nbytes, tbps=tbps, frac_copy=tbps / copy_tbps)
+
+    record("standard", timer(standard_fn(cfg["standard"]), window * pools), bm.standard())
+    anchor_note, anchor_diff = None, None
+    if anchor:
+        got = _anchor(family, plist, xs, slots, raw) if cuda else "skipped in the CPU dry run"
+        if isinstance(got, tuple):
+            run, check = got
+
+            def anchor_fn() -> None:
+                for t in range(window):
+                    for i in range(pools):
+                        run(i, t)
+
+            try:
+                anchor_diff = check()
+                record("anchor", timer(anchor_fn, window * pools), bm.standard())
+            except Exception as err:
+                anchor_note = f"anchor failed: {type(err).__name__}: {err}"
+        else:
+            anchor_note = got
+    mean_step = {
+        sk: sum((bm.sketch_step if sk else bm.replay_step)(p) for p in range(window - 1)) // (window - 1)
+        for sk in (False, True)
+    }
+    for sketch, name in ((False, "replay"), (True, "sketch")):
+        record(f"{name}_step", timer(steps_fn(sketch, cfg[name]), (window - 1) * pools), mean_step[sketch])
+        flush_us = timer(flush_fn(sketch, cfg[f"flush_{name}"]), pools)
+        record(f"{name}_flush", flush_us, bm.flush(window - 1, sketch))
+        record(f"{name}_window", timer(window_fn(sketch), pools), bm.window(window, sketch))
+    if family in ROTATED:
+        def rot() -> None:
+            for _ in range(pools):
+                decode.rotate_qk(xs[0], tables, scratch)
+
+        record("rotate", timer(rot, pools), bm.rotate())
+
+    std_window = window * ops["standard"]["us"]
+    result = dict(
+        family=family,
+        model=shape.name,
+        shape=asdict(shape),
+        batch=batch,
+        window=window,
+        read_dtype=read_dtype,
+        pools=pools,
+        ranks=ranks,
+        mean_rank=sum(ranks) / len(ranks),
+        device=torch.cuda.get_device_name(dev) if cuda else "cpu (dry run)",
+        torch=torch.__version__,
+        copy_tbps=copy_tbps,
+        configs={k: asdict(v) for k, v in cfg.items()},
+        tuning=tuning,
+        ops=ops,
+        anchor_note=anchor_note,
+        anchor_rel_diff=anchor_diff,
+        windows_us=dict(
+            standard=std_window, replay=ops["replay_window"]["us"], sketch=ops["sketch_window"]["us"]
+        ),
+        speedups=dict(
+            replay_vs_standard=std_window / ops["replay_window"]["us"],
+            sketch_vs_standard=std_window / ops["sketch_window"]["us"],
+            sketch_vs_replay=ops["replay_window"]["us"] / ops["sketch_window"]["us"],
+            standard_vs_anchor=(ops["anchor"]["us"] / ops["standard"]["us"]) if "anchor" in ops else None,
+        ),
+    )
+    return result
+
+
+def print_bench(result: dict, console=None) -> None:
+    """A rich table of one :func:`run_bench` result."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    s = result["speedups"]
+    title = (
+        f"{result['model']} · batch {result['batch']} · L={result['window']} · mean rank "
+        f"{result['mean_rank']:.1f} · {result['device']} · copy {result['copy_tbps']:.2f} TB/s"
+    )
+    table = Table(title=title)
+    for col in ("op", "µs", "MB", "TB/s", "of copy"):
+        table.add_column(col, justify="right" if col != "op" else "left")
+    for name, op in result["ops"].items():
+        table.add_row(
+            name, f"{op['us']:.1f}", f"{op['bytes'] / 1e6:.1f}", f"{op['tbps']:.2f}", f"{op['frac_copy']:.0%}"
+        )
+    console.print(table)
+    anchor = s["standard_vs_anchor"]
+    console.print(
+        f"window speedup over standard: replay {s['replay_vs_standard']:.2f}×, sketch "
+        f"{s['sketch_vs_standard']:.2f}× (sketch vs replay {s['sketch_vs_replay']:.2f}×); "
+        + (f"anchor/standard time {anchor:.2f}" if anchor else f"anchor: {result['anchor_note']}")
+    )
+
+
+def main(
+    family: str = "gdn",
+    batch: int = 256,
+    rank: float = 8,
+    window: int = 16,
+    read_dtype: str = "bf16",
+    pools: int = 4,
+    tune: bool = False,
+    json_out: str | None = None,
+) -> dict:
+    """Entry point for the ``sketchcal bench`` command: run, print the table, optionally save JSON."""
+    result = run_bench(family, batch, rank, window, read_dtype, pools, tune=tune)
+    print_bench(result)
+    if json_out:
+        with open(json_out, "w") as fh:
+            json.dump(result, fh, indent=1, default=str)
+    return result

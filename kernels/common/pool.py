@@ -1,0 +1,268 @@
+"""Serving-side tensors of the decode kernels: the slot pool, the sketch tables, the rank spread.
+
+Everything here is plain torch and shared by the Triton kernels (``common/decode.py``), their
+float64 references (``common/reference.py``) and the benchmark (``bench.py``).
+
+Dimensions: N pool slots, B batch entries (each addressing one slot, or -1 for padding),
+T tokens per call, H state heads (value heads), G groups (heads sharing k and q: Mamba-2
+n_groups, GDN key heads, KDA heads, so G = H), K key/state dim, V value dim, C buffer capacity
+(tokens held between flushes; a window of L tokens needs C ≥ L − 1, spec decoding needs more),
+M rows of the coefficient maps (≥ the largest rank).
+
+Kernel input layout (one call; groups NOT expanded to heads, unlike ``recurrence.StepInputs``
+as used by the references): a :class:`~sketchcal.kernels.common.recurrence.StepInputs` with
+
+    k, q    [B, T, G, K]    l2-normalised (q also scaled) for GDN/KDA; B_t, C_t for Mamba-2
+    w       [B, T, H, V]    β·v for the delta rules, dt·x for Mamba-2
+    decay   [B, T, H]       linear decay (Mamba-2 exp(dt·A), GDN α) or [B, T, H, K] (KDA)
+    beta    [B, T, H]       delta rules only
+    skip    [B, T, H, V]    added to the output (Mamba-2's D·x) or None
+
+All tensors contiguous; K and V powers of two.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+from sketchcal.kernels.common.recurrence import StepInputs
+
+FAMILIES = ("mamba2", "gdn", "kda")
+# families whose recurrence runs in the sketch frame (R commutes with a scalar decay)
+ROTATED = frozenset({"mamba2", "gdn"})
+SUPPORTED_RANKS = (0, 4, 8, 12, 16, 24, 32, 48, 64)
+
+
+def check_family(family: str) -> str:
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of {', '.join(FAMILIES)}")
+    return family
+
+
+@dataclass
+class DecodePool:
+    """States of N sequences ("slots") of one layer, addressed by slot index.
+
+    ``state`` is the only exact, full-precision tensor: in ``standard`` mode it is the state that
+    every step reads and writes; in ``replay`` and ``sketch`` mode it is the checkpoint S_c,
+    written only at a flush. Layouts (key-major, contiguous):
+
+        state      [N, H, K, V] fp32
+        read       [N, H, K, V] read copy of the checkpoint (bf16, or fp32 for exact replay);
+                   in sketch mode only the first ``read_rows[h]`` rows of each head are kept fresh
+        sketch     [N, H, M, V] KDA only: R_{:m} S_c per head (rows ≥ m unused)
+        buf_k      [N, G, C, K] buffered keys (in the sketch frame for Mamba-2/GDN in sketch mode)
+        buf_w      [N, H, C, V]
+        buf_decay  [N, H, C] fp32, or [N, H, C, K] for KDA
+        buf_beta   [N, H, C] fp32 (delta rules), else None
+    """
+
+    state: Tensor
+    read: Tensor | None = None
+    sketch: Tensor | None = None
+    buf_k: Tensor | None = None
+    buf_w: Tensor | None = None
+    buf_decay: Tensor | None = None
+    buf_beta: Tensor | None = None
+
+    @property
+    def slots(self) -> int:
+        return self.state.shape[0]
+
+    @property
+    def heads(self) -> int:
+        return self.state.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.buf_w is None else self.buf_w.shape[2]
+
+    def tensors(self) -> dict[str, Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    def clone(self) -> DecodePool:
+        return DecodePool(**{name: t.clone() for name, t in self.tensors().items()})
+
+
+def allocate_pool(
+    family: str,
+    slots: int,
+    heads: int,
+    groups: int,
+    key_dim: int,
+    value_dim: int,
+    *,
+    capacity: int = 0,
+    read_dtype: torch.dtype | None = torch.bfloat16,
+    sketch_rows: int = 0,
+    input_dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+) -> DecodePool:
+    """Zero-initialised pool. ``capacity`` = 0 gives a standard-mode pool (state only);
+    ``read_dtype`` None skips the read copy; ``sketch_rows`` > 0 (KDA) adds the sketch tensor."""
+    check_family(family)
+    if heads % groups:
+        raise ValueError(f"heads ({heads}) must be a multiple of groups ({groups})")
+    for name, d in (("key_dim", key_dim), ("value_dim", value_dim)):
+        if d < 1 or d & (d - 1):
+            raise ValueError(f"{name} must be a power of two, got {d}")
+    z = dict(device=device)
+    pool = DecodePool(state=torch.zeros(slots, heads, key_dim, value_dim, dtype=torch.float32, **z))
+    if capacity > 0:
+        if read_dtype is not None:
+            pool.read = torch.zeros(slots, heads, key_dim, value_dim, dtype=read_dtype, **z)
+        pool.buf_k = torch.zeros(slots, groups, capacity, key_dim, dtype=input_dtype, **z)
+        pool.buf_w = torch.zeros(slots, heads, capacity, value_dim, dtype=input_dtype, **z)
+        dshape = (slots, heads, capacity) + ((key_dim,) if family == "kda" else ())
+        pool.buf_decay = torch.ones(dshape, dtype=torch.float32, **z)
+        if family != "mamba2":
+            pool.buf_beta = torch.zeros(slots, heads, capacity, dtype=torch.float32, **z)
+    if sketch_rows > 0 and family == "kda":
+        sk_dtype = read_dtype or torch.bfloat16
+        pool.sketch = torch.zeros(slots, heads, sketch_rows, value_dim, dtype=sk_dtype, **z)
+    return pool
+
+
+@dataclass
+class SketchTables:
+    """One layer's sketch, in the layouts the kernels read.
+
+        ranks      [H] int32, m per head (0 = dense: read the full read copy)
+        maps       [H, M, K] fp32 coefficient maps in the *kernel frame*: P Rᵀ for Mamba-2/GDN
+                   (whose inputs and states live in the rotated frame), P for KDA; rows ≥ m zero
+        frames     [G, K, K] fp32 orthogonal frames R (row i = i-th basis direction)
+        read_rows  [H] int32, rows of the read copy a sketch-mode flush refreshes
+                   (m, or K for a dense head; 0 for KDA sketch heads, whose sketch is separate)
+    """
+
+    family: str
+    ranks: Tensor
+    maps: Tensor
+    frames: Tensor
+    read_rows: Tensor
+
+    @property
+    def rotated(self) -> bool:
+        return self.family in ROTATED
+
+    @property
+    def map_rows(self) -> int:
+        return self.maps.shape[1]
+
+    def to(self, device) -> SketchTables:
+        return SketchTables(
+            self.family, *(t.to(device) for t in (self.ranks, self.maps, self.frames, self.read_rows))
+        )
+
+
+def clip_rank(rank: int, key_dim: int) -> int:
+    """Snap a requested rank up to the supported set, clipped to K (a rank ≥ K is dense, 0)."""
+    if rank <= 0 or rank >= key_dim:
+        return 0
+    for r in SUPPORTED_RANKS[1:]:
+        if r >= rank:
+            return 0 if r >= key_dim else r
+    return 0
+
+
+def sketch_tables(family: str, frames: Tensor, maps: Tensor | list[Tensor], ranks) -> SketchTables:
+    """Convert an artifact's per-layer sketch into :class:`SketchTables`.
+
+    ``frames`` [G, K, K] (R per group); ``maps`` either a list of per-head [m_h, K] tensors or a
+    padded [H, M, K] tensor, each P mapping an original-frame effective query u to sketch
+    coordinates; ``ranks`` [H] (0 = dense). For Mamba-2/GDN the maps are moved into the rotated
+    frame (P Rᵀ), which the kernels see; the product is taken in float64.
+    """
+    check_family(family)
+    ranks_t = torch.as_tensor(ranks, dtype=torch.int64).cpu()
+    h = ranks_t.numel()
+    g, k = frames.shape[0], frames.shape[-1]
+    if frames.shape != (g, k, k) or h % g:
+        raise ValueError(f"frames must be [G, K, K] with G dividing H={h}, got {tuple(frames.shape)}")
+    for r in ranks_t.tolist():
+        if r not in SUPPORTED_RANKS or (r >= k and r != 0):
+            raise ValueError(f"rank {r} is not supported for K={k}; use one of {SUPPORTED_RANKS} below K")
+    m_rows = max(1, int(ranks_t.max()))
+    out = torch.zeros(h, m_rows, k, dtype=torch.float64, device=frames.device)
+    f64 = frames.to(torch.float64)
+    for head in range(h):
+        m = int(ranks_t[head])
+        if m == 0:
+            continue
+        p = (maps[head] if isinstance(maps, list) else maps[head, :m]).to(torch.float64)
+        if p.shape != (m, k):
+            raise ValueError(f"head {head}: map must be [{m}, {k}], got {tuple(p.shape)}")
+        out[head, :m] = p @ f64[head // (h // g)].T if family in ROTATED else p
+    dense = ranks_t == 0
+    if family in ROTATED:
+        rows = torch.where(dense, torch.full_like(ranks_t, k), ranks_t)
+    else:
+        rows = torch.where(dense, torch.full_like(ranks_t, k), torch.zeros_like(ranks_t))
+    dev = frames.device
+    return SketchTables(
+        family,
+        ranks_t.to(torch.int32).to(dev),
+        out.to(torch.float32),
+        frames.to(torch.float32).contiguous(),
+        rows.to(torch.int32).to(dev),
+    )
+
+
+def random_frames(groups: int, key_dim: int, generator: torch.Generator | None = None) -> Tensor:
+    """Random orthogonal frames [G, K, K] (float64), for tests and benchmarks."""
+    a = torch.randn(groups, key_dim, key_dim, dtype=torch.float64, generator=generator)
+    q, r = torch.linalg.qr(a)
+    return q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)
+
+
+def random_sketch(
+    family: str, ranks, groups: int, key_dim: int, generator: torch.Generator | None = None
+) -> SketchTables:
+    """Random frames and maps of the calibrated shape ``P = [I_m  Gᵀ] R`` (tests, benchmarks)."""
+    ranks = [int(r) for r in ranks]
+    frames = random_frames(groups, key_dim, generator)
+    h = len(ranks)
+    maps = []
+    for head, m in enumerate(ranks):
+        tail = 0.1 * torch.randn(key_dim - m, m, dtype=torch.float64, generator=generator)
+        pm = torch.cat([torch.eye(m, dtype=torch.float64), tail.T], dim=1)
+        maps.append(pm @ frames[head // (h // groups)])
+    return sketch_tables(family, frames, maps, ranks)
+
+
+def rank_spread(heads: int, mean: float, key_dim: int) -> list[int]:
+    """A realistic spread of per-head ranks around ``mean`` (what a knapsack allocation gives:
+    most heads small, a few large), from the supported set; deterministic.
+
+    The template for mean 8 is, per 32 heads, 15×4, 10×8, 3×12, 2×16, 2×24; other means scale it
+    and snap to the supported set. ``mean`` ≤ 0 or ≥ K gives all-dense heads (0).
+    """
+    if mean <= 0 or mean >= key_dim:
+        return [0] * heads
+    template = [4] * 15 + [8] * 10 + [12] * 3 + [16] * 2 + [24] * 2
+    scale = mean / 8.0
+    ranks = [clip_rank(max(1, round(template[(i * 32) // heads] * scale)), key_dim) for i in range(heads)]
+    # interleave deterministically so neighbouring heads differ (as calibrated layers do)
+    g = torch.Generator().manual_seed(1234)
+    perm = torch.randperm(heads, generator=g).tolist()
+    return [ranks[i] for i in perm]
+
+
+def expand_groups(x: StepInputs, heads: int) -> StepInputs:
+    """Kernel-layout inputs (k, q per group) → reference layout (k, q per head)."""
+    groups = x.k.shape[-2]
+    if groups == heads:
+        return x
+    rep = heads // groups
+    out = x.map(lambda t: t)
+    out.k = x.k.repeat_interleave(rep, dim=-2)
+    out.q = x.q.repeat_interleave(rep, dim=-2)
+    return out
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << math.ceil(math.log2(n))

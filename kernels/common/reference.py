@@ -1,0 +1,193 @@
+"""Float64 references of the serving API, over a :class:`~sketchcal.kernels.common.pool.DecodePool`.
+
+Thin wrappers: every number comes from ``recurrence.step`` / ``recurrence.recurrence`` /
+``recurrence.product_form_read`` run on one slot's window at a time. They update the pool in
+place exactly as the kernels must (casting back to the pool's dtypes) and return the outputs
+[B, T, H, V] in float64, NaN for padding entries. Inputs use the kernel layout documented in
+``pool.py`` (k, q per group). Quantisation already present in the pool (a bf16 read copy or
+sketch) is read as stored, so a kernel and its reference see the same numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from sketchcal.kernels.common.pool import DecodePool, SketchTables, expand_groups
+from sketchcal.kernels.common.recurrence import StepInputs, product_form_read, recurrence
+
+F64 = torch.float64
+
+
+def _family(name: str):
+    from sketchcal.kernels.common import family
+
+    return family(name)
+
+
+def _entries(x: StepInputs, b: int) -> StepInputs:
+    """Batch entry ``b`` of kernel-layout inputs, float64, shape [T, ...]."""
+    return x.map(lambda t: t[b].to(F64))
+
+
+def _buffered(pool: DecodePool, s: int, n: int, skip: bool) -> StepInputs:
+    """The first ``n`` buffered tokens of slot ``s`` in kernel layout ([n, G, K], ...); their
+    queries and skips are zero (their outputs are never used)."""
+    k = pool.buf_k[s, :, :n].transpose(0, 1).to(F64)
+    w = pool.buf_w[s, :, :n].transpose(0, 1).to(F64)
+    return StepInputs(
+        k=k,
+        q=torch.zeros_like(k),
+        w=w,
+        decay=pool.buf_decay[s, :, :n].transpose(0, 1).to(F64),
+        beta=None if pool.buf_beta is None else pool.buf_beta[s, :, :n].transpose(0, 1).to(F64),
+        skip=torch.zeros_like(w) if skip else None,
+    )
+
+
+def _concat(a: StepInputs, b: StepInputs | None) -> StepInputs:
+    if b is None:
+        return a
+    return StepInputs(
+        **{
+            name: None if getattr(a, name) is None else torch.cat([getattr(a, name), getattr(b, name)], dim=0)
+            for name in ("k", "q", "w", "decay", "beta", "skip")
+        }
+    )
+
+
+def _window(pool: DecodePool, s: int, n: int, x: StepInputs | None, b: int) -> StepInputs:
+    """Buffered tokens [0, n) of slot ``s`` followed by batch entry ``b`` of ``x``, in reference
+    layout (groups expanded to heads), float64."""
+    has_skip = x is not None and x.skip is not None
+    win = _concat(_buffered(pool, s, n, has_skip), None if x is None else _entries(x, b))
+    return expand_groups(win, pool.heads)
+
+
+def _store_tokens(pool: DecodePool, s: int, p: int, x: StepInputs, b: int) -> None:
+    """Append batch entry ``b`` of ``x`` to slot ``s``'s buffer at positions p, p+1, ...
+    (entries past the capacity are dropped)."""
+    for t in range(x.num_tokens):
+        j = p + t
+        if j >= pool.capacity:
+            break
+        pool.buf_k[s, :, j] = x.k[b, t].to(pool.buf_k.dtype)
+        pool.buf_w[s, :, j] = x.w[b, t].to(pool.buf_w.dtype)
+        pool.buf_decay[s, :, j] = x.decay[b, t].to(pool.buf_decay.dtype)
+        if pool.buf_beta is not None:
+            pool.buf_beta[s, :, j] = x.beta[b, t].to(pool.buf_beta.dtype)
+
+
+def _outputs(x: StepInputs, heads: int) -> Tensor:
+    b, t = x.w.shape[:2]
+    return torch.full((b, t, heads, x.w.shape[-1]), float("nan"), dtype=F64, device=x.w.device)
+
+
+def standard_step(family: str, pool: DecodePool, slots: Tensor, x: StepInputs) -> Tensor:
+    """Read, update and write ``pool.state`` for each addressed slot (T tokens in sequence)."""
+    fam = _family(family)
+    out = _outputs(x, pool.heads)
+    for b, s in enumerate(slots.tolist()):
+        if s < 0:
+            continue
+        o, st = recurrence(fam, expand_groups(_entries(x, b), pool.heads), pool.state[s].to(F64))
+        pool.state[s] = st.to(pool.state.dtype)
+        out[b] = o
+    return out
+
+
+def _sketch_term(tables: SketchTables, pool: DecodePool, s: int, u: Tensor) -> Tensor:
+    """Checkpoint term of a sketch read for the effective queries ``u`` [P, H, K] → [P, H, V]."""
+    heads = pool.heads
+    o = torch.zeros(u.shape[0], heads, pool.state.shape[-1], dtype=F64, device=u.device)
+    ranks = tables.ranks.tolist()
+    for h in range(heads):
+        m = ranks[h]
+        if m == 0:
+            o[:, h] = u[:, h] @ pool.read[s, h].to(F64)
+            continue
+        src = pool.read[s, h, :m] if tables.rotated else pool.sketch[s, h, :m]
+        coeff = u[:, h] @ tables.maps[h, :m].to(F64).T  # [P, m]
+        o[:, h] = coeff @ src.to(F64)
+    return o
+
+
+def spec_verify(
+    family: str,
+    pool: DecodePool,
+    slots: Tensor,
+    pos: Tensor,
+    x: StepInputs,
+    tables: SketchTables | None = None,
+) -> Tensor:
+    """Outputs of T tokens after the ``pos[b]`` buffered ones, from checkpoint + buffer, without
+    materialising a state; the T tokens are appended to the buffer. ``tables`` None reads the
+    full read copy (replay), else the sketch."""
+    fam = _family(family)
+    out = _outputs(x, pool.heads)
+    nt = x.num_tokens
+    for b, (s, p) in enumerate(zip(slots.tolist(), pos.tolist(), strict=True)):
+        if s < 0:
+            continue
+        win = _window(pool, s, p, x, b)
+        if tables is None:
+            o, _ = product_form_read(fam, pool.read[s].to(F64), win)
+        else:
+            o, u = product_form_read(fam, torch.zeros_like(pool.state[s], dtype=F64), win)
+            o = o + _sketch_term(tables, pool, s, u)
+        out[b] = o[p : p + nt]
+        _store_tokens(pool, s, p, x, b)
+    return out
+
+
+def replay_step(family: str, pool: DecodePool, slots: Tensor, pos: Tensor, x: StepInputs) -> Tensor:
+    """Non-flush ReplaySSM step: read copy + buffer; the token joins the buffer at ``pos``."""
+    return spec_verify(family, pool, slots, pos, x)
+
+
+def sketch_step(
+    family: str, pool: DecodePool, tables: SketchTables, slots: Tensor, pos: Tensor, x: StepInputs
+) -> Tensor:
+    """Non-flush SketchSSM step: sketch prefix (or the sketch tensor, KDA) + buffer."""
+    return spec_verify(family, pool, slots, pos, x, tables)
+
+
+def flush(
+    family: str,
+    pool: DecodePool,
+    slots: Tensor,
+    pos: Tensor,
+    x: StepInputs | None = None,
+    tables: SketchTables | None = None,
+) -> Tensor | None:
+    """Fold the ``pos[b]`` buffered tokens (then ``x``'s one token, if given, whose output is
+    returned) exactly into the fp32 checkpoint; refresh the read copy (all rows, or
+    ``tables.read_rows``) and, for KDA with ``tables``, the sketch R_{:m} S_c."""
+    fam = _family(family)
+    out = None if x is None else _outputs(x, pool.heads)
+    for b, (s, n) in enumerate(zip(slots.tolist(), pos.tolist(), strict=True)):
+        if s < 0:
+            continue
+        win = _window(pool, s, n, x, b)
+        o, st = recurrence(fam, win, pool.state[s].to(F64))
+        pool.state[s] = st.to(pool.state.dtype)
+        if out is not None:
+            out[b] = o[-1:]
+        if pool.read is not None:
+            rows = [pool.state.shape[2]] * pool.heads if tables is None else tables.read_rows.tolist()
+            for h, r in enumerate(rows):
+                pool.read[s, h, :r] = st[h, :r].to(pool.read.dtype)
+        if tables is not None and not tables.rotated and pool.sketch is not None:
+            for h, m in enumerate(tables.ranks.tolist()):
+                if m > 0:
+                    pool.sketch[s, h, :m] = (tables.frames[h, :m].to(F64) @ st[h]).to(pool.sketch.dtype)
+    return out
+
+
+def rotate(x: StepInputs, frames: Tensor) -> StepInputs:
+    """k and q moved into the sketch frame: ``R_g k`` per group (float64 product, input dtype)."""
+    out = x.map(lambda t: t)
+    f = frames.to(F64)
+    out.k = torch.einsum("gjk,btgk->btgj", f, x.k.to(F64)).to(x.k.dtype)
+    out.q = torch.einsum("gjk,btgk->btgj", f, x.q.to(F64)).to(x.q.dtype)
+    return out

@@ -1,0 +1,77 @@
+"""Per-head read-error curves: predicted from second moments, measured on held-out windows.
+
+For a head with frame R (its group's), rank m and rotated map ``P_rot`` [m, K]:
+
+- **predicted** (from moments ``E``, ``C``, as :func:`sketchcal.fit.basis.read_error`):
+  ``err(m) = tr(Nᵀ E N C) / tr(E C)``, ``N = I − R_{:m}ᵀ P_rot R``: the expected squared read error
+  over the expected squared read, assuming the checkpoint and the query are independent. Evaluated
+  with the *raw* (unshrunk) calibration moments, or the held-out ones, while the map was built
+  from the shrunk calibration E.
+- **measured** (from the verbatim held-out windows): ``Σ ‖S_cᵀu − (R S_c)_{:m}ᵀ (P_rot R u)‖² /
+  Σ ‖S_cᵀu‖²``, summed over all sampled windows and their existing non-flush reads (a ratio of
+  sums, not a mean of ratios).
+
+Dense (m = 0) is exact: error 0.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from sketchcal.fit.basis import read_error
+
+
+def predicted_curve(frame: Tensor, maps: dict[int, Tensor], e: Tensor, c: Tensor, ranks: list[int]) -> Tensor:
+    """Predicted relative error of one head at each rank. Returns [len(ranks)] float64.
+
+    ``maps[m]``: the head's rotated map [m, K] for every non-zero m in ``ranks``; ``e``, ``c``:
+    [K, K] mean moments to evaluate with.
+    """
+    out = torch.zeros(len(ranks), dtype=torch.float64)
+    ep, cp = frame @ e @ frame.T, frame @ c @ frame.T
+    den = float((ep * cp).sum())
+    if den <= 0.0:
+        return out  # the head is never read with any energy: nothing to approximate
+    k = frame.shape[0]
+    for i, m in enumerate(ranks):
+        if not m:
+            continue
+        p = maps[m]
+        if not torch.equal(p[:, :m], torch.eye(m, dtype=p.dtype)):
+            out[i] = read_error(frame, p, e, c)
+            continue
+        # rotated residual N' = I − [I_m; 0][I_m  Gᵀ] is zero on the first m columns; its tail is [−Gᵀ; I]
+        tail = torch.cat([-p[:, m:], torch.eye(k - m, dtype=p.dtype)], dim=0)  # [K, K−m]
+        out[i] = float(((tail.T @ ep @ tail) * cp[m:, m:]).sum()) / den
+    return out
+
+
+def measured_curve(
+    frame: Tensor, maps: dict[int, Tensor], s: Tensor, u: Tensor, mask: Tensor, ranks: list[int]
+) -> Tensor:
+    """Measured relative read error of one head on held-out windows. Returns [len(ranks)] float64.
+
+    Args:
+        frame: R [K, K]; maps: rotated maps as in :func:`predicted_curve`.
+        s: [R, K, V] checkpoints of the sampled windows (this head).
+        u: [R, L−1, K] effective queries of their non-flush reads (this head).
+        mask: [R, L−1] bool, True where the read exists.
+    NaN for every rank when the windows hold no read energy.
+    """
+    s = s.to(torch.float64)
+    u = u.to(torch.float64) * mask.to(torch.float64).unsqueeze(-1)
+    exact = torch.einsum("rkv,rtk->rtv", s, u)
+    den = float((exact * exact).sum())
+    out = torch.zeros(len(ranks), dtype=torch.float64)
+    if den <= 0.0:
+        return out.fill_(float("nan"))
+    s_rot = torch.einsum("jk,rkv->rjv", frame, s)
+    u_rot = u @ frame.T
+    for i, m in enumerate(ranks):
+        if m:
+            coeff = u_rot @ maps[m].T  # [R, L−1, m]
+            approx = torch.einsum("rtm,rmv->rtv", coeff, s_rot[:, :m])
+            diff = exact - approx
+            out[i] = float((diff * diff).sum()) / den
+    return out

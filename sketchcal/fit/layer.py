@@ -1,0 +1,155 @@
+"""Fit one mixer layer: shrink E per head, solve each group's basis and frame, build error curves."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from sketchcal.fit.basis import coef_map, coef_maps, group_bases, nested_frame, projection_map
+from sketchcal.fit.curves import measured_curve, predicted_curve
+from sketchcal.fit.ranks import candidate_ranks
+from sketchcal.fit.shrinkage import shrink
+
+COEF_KINDS: tuple[str, ...] = ("state", "projection")
+
+
+@dataclass
+class LayerFit:
+    """Frames, regularised moments and error curves of one layer.
+
+    Shapes: H heads, G groups, K key dim, C = len(ranks) candidate ranks (``ranks[0] == 0``, dense).
+    """
+
+    layer: int
+    heads: int
+    groups: int
+    key_dim: int
+    value_dim: int
+    basis: str
+    coef: str
+    ranks: list[int]  # candidate ranks, dense (0) first
+    frames: Tensor  # [G, K, K] f64, R_g (rows = rotated coordinates)
+    eigvals: Tensor  # [G, K] f64, λ of the group basis solve (NaN for a random basis)
+    e_map: Tensor  # [H, K, K] f64, the regularised mean E each head's map uses
+    shrinkage: Tensor  # [H] f64, shrinkage coefficient per head
+    predicted: Tensor  # [H, C] f64, predicted relative error from the calibration moments
+    heldout_predicted: Tensor | None  # [H, C] f64, from the held-out moments
+    measured: Tensor | None  # [H, C] f64, measured on the held-out windows
+    read_energy: Tensor  # [H] f64, mean exact read energy per calibration read (for weighting/reports)
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.heads // self.groups
+
+    def frame_of(self, head: int) -> Tensor:
+        return self.frames[head // self.heads_per_group]
+
+    def head_map(self, head: int, m: int) -> Tensor:
+        """Rotated coefficient map [m, K] of ``head`` at rank ``m`` > 0."""
+        frame = self.frame_of(head)
+        if self.coef == "projection":
+            return projection_map(frame, m)
+        return coef_map(frame, self.e_map[head], m)
+
+    def coef_maps(self, ranks: list[int]) -> Tensor:
+        """The stored coefficient maps for per-head ``ranks`` [H]: [H, M, K] with M = max(1, max rank).
+
+        Row j < m_h of head h is row j of its rotated map ``[I_m  Gᵀ]`` (it applies to ``R_g u``);
+        the other rows are zero, and a dense head (m = 0) is all zeros.
+        """
+        mmax = max([1, *ranks])
+        out = torch.zeros(self.heads, mmax, self.key_dim, dtype=torch.float64)
+        for h, m in enumerate(ranks):
+            if m:
+                out[h, :m] = self.head_map(h, m)
+        return out
+
+    def column(self, m: int) -> int:
+        return self.ranks.index(m)
+
+
+def fit_layer(
+    info,
+    calib,
+    heldout=None,
+    windows=None,
+    *,
+    basis: str = "state",
+    coef: str = "state",
+    shrinkage: str = "ledoit_wolf",
+    generator: torch.Generator | None = None,
+) -> LayerFit:
+    """Fit the frames of one layer and compute its error curves.
+
+    Args:
+        info: the layer's :class:`~sketchcal.artifact.stats.LayerInfo` (layer, heads H, groups G,
+            key_dim K, value_dim V); head h is in group ``h // (H // G)``.
+        calib: the calibration :class:`~sketchcal.artifact.stats.Moments` (sums: E, C [H, K, K] ...).
+        heldout: held-out Moments, or None (no held-out prediction then).
+        windows: held-out :class:`~sketchcal.artifact.stats.HeldoutWindows`, or None.
+        basis: ``"state"``, ``"pca"`` or ``"random"`` (see :func:`sketchcal.fit.basis.group_basis`).
+        coef: ``"state"`` (state-weighted least-squares maps, each head with its own E) or
+            ``"projection"`` (orthogonal projection, the E = I ablation of the map).
+        shrinkage: ``"ledoit_wolf"``, ``"oas"`` or ``"none"`` for E.
+        generator: randomness of the ``"random"`` basis.
+    """
+    if coef not in COEF_KINDS:
+        raise ValueError(f"unknown coefficient map {coef!r}; choose one of {', '.join(COEF_KINDS)}")
+    heads, groups, k, v_dim = info.heads, info.groups, info.key_dim, info.value_dim
+    if tuple(calib.E.shape) != (heads, k, k) or heads % groups:
+        raise ValueError(
+            f"moments of shape {list(calib.E.shape)} do not match {heads} heads in {groups} groups, K={k}"
+        )
+    e_map = torch.empty(heads, k, k, dtype=torch.float64)
+    s_coef = torch.empty(heads, dtype=torch.float64)
+    for h in range(heads):
+        e_map[h], s_coef[h] = shrink(
+            calib.E[h], float(calib.E_col4[h]), calib.n_checkpoints, v_dim, shrinkage
+        )
+    c_mean = calib.C_mean
+    hpg = heads // groups
+    grouped = (groups, hpg, k, k)
+    b, eigvals = group_bases(e_map.reshape(grouped), c_mean.reshape(grouped), basis, generator)
+    frames = nested_frame(b)
+    ranks = candidate_ranks(k)
+    e_raw = calib.E_mean
+    fit = LayerFit(
+        layer=info.layer,
+        heads=heads,
+        groups=groups,
+        key_dim=k,
+        value_dim=v_dim,
+        basis=basis,
+        coef=coef,
+        ranks=ranks,
+        frames=frames,
+        eigvals=eigvals,
+        e_map=e_map,
+        shrinkage=s_coef,
+        predicted=torch.zeros(heads, len(ranks), dtype=torch.float64),
+        heldout_predicted=None,
+        measured=None,
+        read_energy=calib.read_energy / max(calib.n_reads, 1),
+    )
+    use_heldout = heldout is not None and not heldout.empty
+    if use_heldout:
+        fit.heldout_predicted = torch.zeros(heads, len(ranks), dtype=torch.float64)
+        e_ho, c_ho = heldout.E_mean, heldout.C_mean
+    if windows is not None:
+        fit.measured = torch.zeros(heads, len(ranks), dtype=torch.float64)
+    for h in range(heads):
+        frame = fit.frame_of(h)
+        if coef == "projection":
+            maps = {m: projection_map(frame, m) for m in ranks if m}
+        else:
+            maps = coef_maps(frame, e_map[h], ranks)
+        fit.predicted[h] = predicted_curve(frame, maps, e_raw[h], c_mean[h], ranks)
+        if use_heldout:
+            fit.heldout_predicted[h] = predicted_curve(frame, maps, e_ho[h], c_ho[h], ranks)
+        if windows is not None:
+            fit.measured[h] = measured_curve(
+                frame, maps, windows.S[:, h], windows.u[:, :, h], windows.mask, ranks
+            )
+    return fit

@@ -1,0 +1,103 @@
+"""Float64 checks of the serving-API references (no Triton): product form, sketch frames, ranks."""
+
+import pytest
+import torch
+
+from sketchcal.kernels.common import reference as ref
+from sketchcal.kernels.common.pool import (
+    SUPPORTED_RANKS,
+    DecodePool,
+    clip_rank,
+    random_sketch,
+    rank_spread,
+    sketch_tables,
+)
+from sketchcal.kernels.common.recurrence import StepInputs, product_form_read
+from sketchcal.kernels.common.testing import random_inputs, random_pool
+
+F64 = torch.float64
+SHAPES = {"mamba2": (4, 2, 16, 8), "gdn": (4, 2, 16, 8), "kda": (3, 3, 16, 8)}  # H, G, K, V
+
+
+def _f64_pool(family, slots, capacity, gen):
+    h, g, k, v = SHAPES[family]
+    pool = random_pool(family, slots, h, g, k, v, capacity=capacity, read_dtype=torch.float32,
+                       sketch_rows=8, input_dtype=torch.float32, generator=gen)
+    return DecodePool(**{name: t.to(F64) for name, t in pool.tensors().items()})
+
+
+def _token(x: StepInputs, t: int) -> StepInputs:
+    return x.map(lambda a: a[:, t : t + 1].contiguous())
+
+
+@pytest.mark.parametrize("family", ["mamba2", "gdn", "kda"])
+def test_window_equals_standard_steps(family):
+    """L−1 replay steps + a flush give the model's own step outputs and the same final state."""
+    gen = torch.Generator().manual_seed(0)
+    h, g, k, v = SHAPES[family]
+    window, batch = 5, 3
+    std = _f64_pool(family, batch, 0, gen)
+    win = _f64_pool(family, batch, window, gen)
+    win.state.copy_(std.state)
+    win.read.copy_(std.state)
+    slots = torch.tensor([2, 0, 1])
+    x = random_inputs(family, batch, window, h, g, k, v, dtype=F64, generator=gen)
+    o_std = ref.standard_step(family, std, slots, x)
+    outs = []
+    for t in range(window - 1):
+        outs.append(ref.replay_step(family, win, slots, torch.full((batch,), t), _token(x, t)))
+    outs.append(ref.flush(family, win, slots, torch.full((batch,), window - 1), _token(x, window - 1)))
+    torch.testing.assert_close(torch.cat(outs, dim=1), o_std, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(win.state, std.state, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(win.read, std.state, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("family", ["mamba2", "gdn", "kda"])
+def test_sketch_read_matches_original_frame(family):
+    """The kernel-frame sketch read equals (R S_c)_{:m}ᵀ (P u) + buffer term in the model frame."""
+    gen = torch.Generator().manual_seed(1)
+    h, g, k, v = SHAPES[family]
+    ranks = [4, 0, 8, 4][:h]
+    frames = torch.linalg.qr(torch.randn(g, k, k, dtype=F64, generator=gen))[0]
+    maps = [torch.randn(m, k, dtype=F64, generator=gen) for m in ranks]
+    tables = sketch_tables(family, frames, maps, ranks)
+    pool = _f64_pool(family, 2, 4, gen)
+    slots, pos = torch.tensor([1, -1]), torch.tensor([2, 0])
+    x = random_inputs(family, 2, 1, h, g, k, v, dtype=F64, generator=gen)
+    # expected, in the model frame: buffer term + (R S_c)_{:m}ᵀ (P u), or S_cᵀ u for a dense head
+    s_c = pool.read[1].clone()
+    o_buf, u = product_form_read(ref._family(family), torch.zeros_like(s_c), ref._window(pool, 1, 2, x, 0))
+    expect = o_buf[2].clone()
+    for head, m in enumerate(ranks):
+        if m == 0:
+            expect[head] += s_c[head].T @ u[2, head]
+        else:
+            expect[head] += (frames[head // (h // g)] @ s_c[head])[:m].T @ (maps[head] @ u[2, head])
+    # the kernel frame: Mamba-2/GDN rotate k, q, the buffered keys and the stored checkpoint;
+    # KDA stores the sketch R_{:m} S_c
+    if tables.rotated:
+        per_head = frames.repeat_interleave(h // g, 0)
+        pool.buf_k.copy_(torch.einsum("gjk,ngck->ngcj", frames, pool.buf_k))
+        pool.read.copy_(torch.einsum("hjk,nhkv->nhjv", per_head, pool.read))
+        x = ref.rotate(x, frames)
+    else:
+        for head, m in enumerate(ranks):
+            if m:
+                pool.sketch[1, head, :m] = frames[head, :m] @ s_c[head]
+    got = ref.sketch_step(family, pool, tables, slots, pos, x)
+    torch.testing.assert_close(got[0, 0], expect, rtol=1e-6, atol=1e-6)  # the maps are stored fp32
+    assert torch.isnan(got[1]).all()
+
+
+def test_ranks_and_tables():
+    assert sum(rank_spread(32, 8, 128)) == 8 * 32
+    assert sum(rank_spread(64, 8, 128)) == 8 * 64
+    assert set(rank_spread(64, 8, 128)) <= set(SUPPORTED_RANKS)
+    assert rank_spread(8, 0, 128) == [0] * 8
+    assert clip_rank(5, 128) == 8 and clip_rank(100, 64) == 0 and clip_rank(64, 128) == 64
+    t = random_sketch("gdn", [4, 8, 0, 12], 2, 16, torch.Generator().manual_seed(0))
+    assert t.read_rows.tolist() == [4, 8, 16, 12] and t.maps.shape == (4, 12, 16)
+    t = random_sketch("kda", [4, 0], 2, 16, torch.Generator().manual_seed(0))
+    assert t.read_rows.tolist() == [0, 16]
+    with pytest.raises(ValueError, match="not supported"):
+        sketch_tables("gdn", torch.eye(16).expand(2, 16, 16), [torch.zeros(5, 16)] * 2, [5, 5])

@@ -1,0 +1,147 @@
+"""Multiple-choice knapsack and rank allocation against exhaustive search."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from sketchcal.errors import SketchcalError
+from sketchcal.fit.allocate import allocate
+from sketchcal.fit.knapsack import InfeasibleBudget, lp_lower_bound, solve_mckp
+from sketchcal.fit.layer import LayerFit
+from sketchcal.fit.ranks import candidate_ranks
+from sketchcal.fit.traffic import TrafficModel
+
+
+def exhaustive(costs, values, budget):
+    best = None
+    for pick in itertools.product(*[range(len(c)) for c in costs]):
+        cost = sum(c[j] for c, j in zip(costs, pick, strict=True))
+        if cost > budget:
+            continue
+        val = sum(v[j] for v, j in zip(values, pick, strict=True))
+        if best is None or val < best[0] - 1e-12:
+            best = (val, pick)
+    return best
+
+
+def random_instance(rng: random.Random, items: int, options: int):
+    costs, values = [], []
+    for _ in range(items):
+        c = sorted(rng.sample(range(0, 40), options))
+        v = sorted((rng.random() for _ in range(options)), reverse=True)
+        if rng.random() < 0.3:  # non-monotone curves and ties must work too
+            v = [rng.choice([0.1, 0.2, 0.5]) for _ in range(options)]
+        costs.append(c)
+        values.append(v)
+    return costs, values
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_matches_exhaustive_search(seed):
+    rng = random.Random(seed)
+    costs, values = random_instance(rng, rng.randint(1, 5), rng.randint(1, 4))
+    lo, hi = sum(min(c) for c in costs), sum(max(c) for c in costs)
+    budget = rng.randint(lo, hi + 3)
+    res = solve_mckp(costs, values, budget)
+    ref = exhaustive(costs, values, budget)
+    assert res.exact
+    assert res.value == pytest.approx(ref[0], abs=1e-12)
+    assert res.cost <= budget
+    assert res.value == pytest.approx(sum(v[j] for v, j in zip(values, res.choice, strict=True)))
+    assert res.lower_bound <= res.value + 1e-12
+    assert lp_lower_bound(costs, values, budget) <= ref[0] + 1e-12
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_rounded_costs_stay_feasible_and_within_the_lp_bound(seed):
+    rng = random.Random(100 + seed)
+    costs = [[rng.randint(0, 10_000) for _ in range(3)] for _ in range(5)]
+    values = [[rng.random() for _ in range(3)] for _ in range(5)]
+    budget = sum(min(c) for c in costs) + rng.randint(0, 20_000)
+    res = solve_mckp(costs, values, budget, max_cells=60)  # forces coarse cost units
+    ref = exhaustive(costs, values, budget)
+    assert res.cost <= budget
+    assert res.lower_bound <= ref[0] + 1e-12 <= res.value + 2e-12
+
+
+def test_infeasible_budget():
+    with pytest.raises(InfeasibleBudget):
+        solve_mckp([[3, 5], [2]], [[1.0, 0.0], [0.0]], 4)
+
+
+def _fit(layer: int, heads: int, k: int, rng: random.Random) -> LayerFit:
+    ranks = candidate_ranks(k)
+    pred = torch.zeros(heads, len(ranks), dtype=torch.float64)
+    for h in range(heads):
+        errs = sorted((rng.random() for _ in ranks[1:]), reverse=True)
+        pred[h, 1:] = torch.tensor(errs, dtype=torch.float64)
+    z = torch.zeros(heads, dtype=torch.float64)
+    return LayerFit(
+        layer=layer,
+        heads=heads,
+        groups=1,
+        key_dim=k,
+        value_dim=k,
+        basis="state",
+        coef="state",
+        ranks=ranks,
+        frames=torch.zeros(1, k, k),
+        eigvals=torch.zeros(1, k),
+        e_map=torch.zeros(heads, k, k),
+        shrinkage=z,
+        predicted=pred,
+        heldout_predicted=None,
+        measured=None,
+        read_energy=z,
+    )
+
+
+def test_allocation_by_mean_rank_matches_exhaustive():
+    rng = random.Random(7)
+    fits = [_fit(0, 2, 16, rng), _fit(3, 2, 16, rng)]
+    traffic = [TrafficModel("gdn", 16, 16, 8, 2)] * 2
+    for m in (4, 5.5, 8, 11, 16):
+        alloc = allocate(fits, traffic, rank=m)
+        assert alloc.mean_rank <= m + 1e-9
+        costs = [[r or 16 for r in f.ranks] for f in fits for _ in range(f.heads)]
+        values = [f.predicted[h].tolist() for f in fits for h in range(f.heads)]
+        ref = exhaustive(costs, values, int(m * 4))
+        assert alloc.predicted_error == pytest.approx(ref[0] / 4)
+    assert allocate(fits, traffic, rank=16).predicted_error == 0.0  # everything dense
+
+
+def test_allocation_by_bytes_matches_exhaustive():
+    rng = random.Random(8)
+    fits = [_fit(0, 3, 32, rng)]
+    tm = TrafficModel("kda", 32, 32, 16, 1)
+    traffic = [tm]
+    lo = 3 * tm.step_bytes(4)
+    for budget in (lo, lo * 1.3, 3 * tm.step_bytes(0)):
+        alloc = allocate(fits, traffic, bytes_per_token=budget)
+        assert alloc.bytes_per_token <= budget + 1e-9
+        costs = [[tm.window_bytes(r) for r in fits[0].ranks]] * 3
+        values = [fits[0].predicted[h].tolist() for h in range(3)]
+        ref = exhaustive(costs, values, int(budget * 16))
+        assert alloc.predicted_error == pytest.approx(ref[0] / 3)
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(rank=2), "cannot be met"),
+        (dict(rank=-1), "positive"),
+        (dict(rank=0), "positive"),
+        (dict(rank=17), "exceeds the key dim"),
+        (dict(bytes_per_token=10.0), "cannot be met"),
+        (dict(), "exactly one"),
+        (dict(rank=4, bytes_per_token=1e9), "exactly one"),
+    ],
+)
+def test_bad_budgets(kw, match):
+    fits = [_fit(0, 2, 16, random.Random(0))]
+    with pytest.raises(SketchcalError, match=match):
+        allocate(fits, [TrafficModel("gdn", 16, 16, 8, 2)], **kw)
