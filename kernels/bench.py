@@ -230,8 +230,14 @@ def _anchor(family: str, pools: list[DecodePool], xs: list[StepInputs], slots: t
         def launch(state: torch.Tensor, t: int, out: torch.Tensor) -> torch.Tensor:
             if family == "gdn":  # fla's GDN kernel writes a fresh final state (same bytes)
                 return fla_fn(**args[t], scale=1.0, initial_state=state, output_final_state=True)[0]
-            return fla_fn(**args[t], scale=1.0, initial_state=state, inplace_final_state=True,
-                          ssm_state_indices=slots, out=out)[0]
+            return fla_fn(
+                **args[t],
+                scale=1.0,
+                initial_state=state,
+                inplace_final_state=True,
+                ssm_state_indices=slots,
+                out=out,
+            )[0]
 
         def run(i: int, t: int) -> None:
             launch(pools[i].state, t, outs[i])
@@ -259,8 +265,9 @@ def _anchor(family: str, pools: list[DecodePool], xs: list[StepInputs], slots: t
     ]
 
     def launch(state: torch.Tensor, t: int) -> torch.Tensor:
-        return selective_state_update(state, A=a_mat, D=d_vec, dt_bias=dt_bias, dt_softplus=True,
-                                      state_batch_indices=slots, **args[t])
+        return selective_state_update(
+            state, A=a_mat, D=d_vec, dt_bias=dt_bias, dt_softplus=True, state_batch_indices=slots, **args[t]
+        )
 
     def run(i: int, t: int) -> None:
         launch(states[i], t)
@@ -299,8 +306,13 @@ def _mamba_raw(xs: list[StepInputs], heads: int, device) -> dict:
 
 def _configs(family: str, configs: dict[str, KernelConfig] | None) -> dict[str, KernelConfig]:
     d = decode.default_config
-    out = dict(standard=d("standard", family), replay=d("read", family), sketch=d("read", family),
-               flush_replay=d("flush", family), flush_sketch=d("flush_sketch", family))
+    out = dict(
+        standard=d("standard", family),
+        replay=d("read", family),
+        sketch=d("read", family),
+        flush_replay=d("flush", family),
+        flush_sketch=d("flush_sketch", family),
+    )
     out.update(configs or {})
     return out
 
@@ -353,8 +365,16 @@ def run_bench(
 
     def make_pool() -> DecodePool:
         pool = allocate_pool(
-            family, batch, h, g, kd, vd, capacity=window, read_dtype=rd,
-            sketch_rows=tables.map_rows if family == "kda" else 0, device=dev,
+            family,
+            batch,
+            h,
+            g,
+            kd,
+            vd,
+            capacity=window,
+            read_dtype=rd,
+            sketch_rows=tables.map_rows if family == "kda" else 0,
+            device=dev,
         )
         pool.state.normal_(0.0, 0.3)
         pool.read.copy_(pool.state)
@@ -383,8 +403,9 @@ def run_bench(
             for t in range(window - 1):
                 for i, pool in enumerate(plist):
                     if sketch:
-                        decode.sketch_step(family, pool, tables, slots, pos[t], xs[t], outs[i],
-                                           scratch=scratch, config=c)
+                        decode.sketch_step(
+                            family, pool, tables, slots, pos[t], xs[t], outs[i], scratch=scratch, config=c
+                        )
                     else:
                         decode.replay_step(family, pool, slots, pos[t], xs[t], outs[i], config=c)
 
@@ -393,8 +414,17 @@ def run_bench(
     def flush_fn(sketch: bool, c: KernelConfig) -> Callable[[], None]:
         def fn() -> None:
             for i, pool in enumerate(plist):
-                decode.flush(family, pool, slots, pos[window - 1], xs[window - 1], outs[i],
-                             tables=tables if sketch else None, scratch=scratch, config=c)
+                decode.flush(
+                    family,
+                    pool,
+                    slots,
+                    pos[window - 1],
+                    xs[window - 1],
+                    outs[i],
+                    tables=tables if sketch else None,
+                    scratch=scratch,
+                    config=c,
+                )
 
         return fn
 
@@ -469,6 +499,7 @@ def run_bench(
         record(f"{name}_flush", flush_us, bm.flush(window - 1, sketch))
         record(f"{name}_window", timer(window_fn(sketch), pools), bm.window(window, sketch))
     if family in ROTATED:
+
         def rot() -> None:
             for _ in range(pools):
                 decode.rotate_qk(xs[0], tables, scratch)
@@ -548,6 +579,7 @@ def main(
     result = run_bench(family, batch, rank, window, read_dtype, pools, tune=tune)
     print_bench(result)
     if json_out:
-        with open(json_out, "w") as fh:
-            json.dump(result, fh, indent=1, default=str)
+        from sketchcal.fsutil import write_bytes
+
+        write_bytes(json_out, json.dumps(result, indent=1, default=str).encode())
     return result

@@ -1,7 +1,7 @@
 """sketchcal: calibrated sketches of recurrent states for cheaper hybrid-model decoding.
 
-The Python API under the CLI: ``sketchcal.calibrate(...)`` (more commands are added as their
-modules land). The function names shadow the subpackages of the same name on purpose.
+The Python API under the CLI: ``sketchcal.calibrate``, ``sketchcal.convert``, ``sketchcal.inspect``.
+The function names shadow the subpackages of the same name on purpose.
 """
 
 __version__ = "0.1.0"

@@ -99,6 +99,81 @@ def calibrate(
     )
 
 
+@app.command()
+def convert(
+    stats_dir: Annotated[Path, typer.Argument(help="Statistics directory written by sketchcal calibrate")],
+    out: Annotated[Path, typer.Option(help="Model directory to write (must not exist)")],
+    rank: Annotated[
+        float | None, typer.Option(help="Mean rank over all heads (dense heads count as K)")
+    ] = None,
+    bytes_per_token: Annotated[
+        float | None,
+        typer.Option(help="State traffic budget, bytes per sequence and token (instead of --rank)"),
+    ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(help="Base model (directory, cached Hub id or builtin:NAME); default: the stats'"),
+    ] = None,
+    reference_only: Annotated[bool, typer.Option(help="Write config + sketch only, no weights")] = False,
+    basis: Annotated[str, typer.Option(help="state (default), or the ablations pca / random")] = "state",
+    shrinkage: Annotated[str, typer.Option(help="auto, ledoit_wolf, oas or none")] = "auto",
+    seed: Annotated[int, typer.Option(help="Seed of the random-basis ablation")] = 0,
+) -> None:
+    """Fit sketch bases, allocate per-head ranks and write a loadable model directory."""
+    from sketchcal.artifact import convert as run
+    from sketchcal.artifact.report import print_convert_result
+    from sketchcal.ui import console
+
+    if (rank is None) == (bytes_per_token is None):
+        raise SketchcalError("give exactly one budget: --rank M or --bytes-per-token B")
+    result = run(
+        stats_dir,
+        rank=rank,
+        bytes_per_token=bytes_per_token,
+        out=out,
+        model=model,
+        reference_only=reference_only,
+        basis=basis,
+        shrinkage=shrinkage,
+        seed=seed,
+    )
+    print_convert_result(result, console=console)
+
+
+@app.command()
+def inspect(
+    model_dir: Annotated[Path, typer.Argument(help="Directory written by sketchcal convert")],
+    plots_dir: Annotated[
+        Path | None, typer.Option(help="Where to write the PNG plots (default DIR/plots)")
+    ] = None,
+    plots: Annotated[bool, typer.Option(help="Write the rank heatmap and error-vs-rank plots")] = True,
+) -> None:
+    """Per-layer ranks, predicted errors and bytes of a converted model, with plots."""
+    from sketchcal.artifact import inspect as run
+    from sketchcal.ui import console
+
+    run(model_dir, plots_dir, plots=plots, console=console)
+
+
+@app.command()
+def bench(
+    family: Annotated[str, typer.Option(help="mamba2, gdn or kda")] = "gdn",
+    batch: Annotated[int, typer.Option(help="Sequences per decode step")] = 256,
+    rank: Annotated[float, typer.Option(help="Mean sketch rank (realistic per-head spread)")] = 8,
+    window: Annotated[int, typer.Option(help="Window length L")] = 16,
+    read_dtype: Annotated[str, typer.Option(help="Read copy precision: bf16 or fp32")] = "bf16",
+    pools: Annotated[int, typer.Option(help="State pools rotated for a cold L2")] = 4,
+    tune: Annotated[bool, typer.Option(help="Tune launch shapes first")] = False,
+    json_out: Annotated[Path | None, typer.Option(help="Also write the results as JSON")] = None,
+) -> None:
+    """Time the decode kernels (standard, replay, sketch, public anchor) on a CUDA device."""
+    from sketchcal.kernels.bench import main as run
+
+    if family not in ("mamba2", "gdn", "kda"):
+        raise SketchcalError(f"unknown --family {family!r}; choose mamba2, gdn or kda")
+    run(family, batch, rank, window, read_dtype, pools, tune, None if json_out is None else str(json_out))
+
+
 def main() -> None:
     """Console entry point: user errors are one line on stderr and exit status 2."""
     try:
