@@ -108,3 +108,32 @@ def test_model_without_recurrent_layers():
     model = tf.AutoModelForCausalLM.from_config(cfg)
     with pytest.raises(SketchcalError, match="no linear-attention or Mamba-2 layers"):
         describe(model)
+
+
+def test_cpu_runs_the_torch_path_even_with_gpu_kernels_bound(monkeypatch):
+    """transformers binds fla / causal-conv1d kernels at import when installed; on the CPU they must
+    never run. Simulate the binding with kernels that fail, as the real ones do without a GPU."""
+    import importlib
+
+    from sketchcal.models.capture import torch_reference
+    from sketchcal.models.loading import load_model
+
+    module = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
+    names = ["torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn"]
+    names.append("causal_conv1d_update")
+    for name in names:
+
+        def gpu_only(*args, **kwargs):
+            raise RuntimeError("a GPU kernel ran on the CPU")
+
+        gpu_only.__wrapped__ = torch_reference(getattr(module, name))
+        monkeypatch.setattr(module, name, gpu_only)
+
+    loaded = load_model("builtin:tiny-gdn", device="cpu")
+    ids = torch.randint(1, 2000, (1, 20))
+    with torch.no_grad():
+        loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+        calls = []
+        with MixerTap(loaded.model, loaded.spec, calls.append):
+            loaded.model(ids)
+    assert len(calls) == len(loaded.spec.layers)
