@@ -109,3 +109,53 @@ def test_kept_windows_match_sums():
     u, mask = kept["windows.u"].double(), kept["windows.mask"].double()
     C = torch.einsum("rphk,rphl,rp->hkl", u, u, mask)
     assert ((C - sums["C"]).norm() / C.norm()).item() < 1e-6
+
+
+@pytest.mark.parametrize("fam_name", ["gdn", "kda"])
+def test_starting_from_the_prompt_state_equals_scanning_the_prompt(fam_name):
+    from sketchcal.kernels.common import recurrence
+
+    b, t, h, kd, vd, window, prompt = 2, 45, 2, 5, 4, 8, 13
+    x = random_inputs(fam_name, b, t, h, kd, vd, seed=11)
+    valid = torch.ones(b, t, dtype=torch.bool)
+    full = LayerStats(LayerShape(0, h, 1, kd, vd), window)
+    full.update(family(fam_name), x, valid, prompt)
+    _, s_prompt = recurrence(family(fam_name), x.tokens(slice(0, prompt)))
+    cont = LayerStats(LayerShape(0, h, 1, kd, vd), window)
+    cont.update(family(fam_name), x.tokens(slice(prompt, t)), valid[:, prompt:], 0, initial_state=s_prompt)
+    a, c = full.take_sums(), cont.take_sums()
+    for name in a:
+        assert torch.allclose(a[name].double(), c[name].double(), rtol=1e-10, atol=0), name
+
+
+@pytest.mark.parametrize("model", ["builtin:tiny-gdn", "builtin:tiny-mamba2", "builtin:tiny-kda"])
+def test_calibrate_prefill_state_matches_a_float64_prompt_scan(tmp_path, model):
+    """calibrate takes the first checkpoint from the model's own (float32, chunked) prefill; a float64
+    scan of the prompt through the tapped full forward gives the same statistics."""
+    import sketchcal
+    from sketchcal.calibrate.store import load_stats_tensors
+    from sketchcal.data import build_samples
+    from sketchcal.models import MixerTap
+    from sketchcal.models.loading import load_model
+
+    sketchcal.calibrate(model, out=tmp_path / "s", samples=4, seq_len=96, heldout_samples=0, device="cpu",
+                        progress=False, batch_size=4, window=8)  # fmt: skip
+    got = load_stats_tensors(tmp_path / "s")[1]
+
+    loaded = load_model(model, device="cpu")
+    ids = torch.tensor(build_samples(loaded.tokenizer, None, num_samples=4, seq_len=96).calib)
+    ref = {s.layer: LayerStats(s, 8) for s in loaded.spec.layers}
+    fam = family(loaded.spec.family)
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    with (
+        torch.no_grad(),
+        MixerTap(loaded.model, loaded.spec, lambda c: ref[c.layer].update(fam, c.inputs, valid, 48)),
+    ):
+        loaded.model(ids)
+    for layer, st in ref.items():
+        for name, t in st.take_sums().items():
+            g = got[f"layers.{layer}.calib.{name}"]
+            if t.is_floating_point():
+                assert ((g - t).norm() / t.norm()).item() < 1e-5, (layer, name)
+            else:
+                assert torch.equal(g, t), (layer, name)

@@ -159,13 +159,32 @@ class _Runner:
         tokens["prompt"] += int(valid[:, :prompt_end].sum())
         tokens["decode"] += int(valid[:, prompt_end:].sum())
 
-        def on_call(call: MixerCall) -> None:
-            self.stats[(batch.split, call.layer)].update(self.family, call.inputs, valid, prompt_end)
-
         _sync(dev)
         t0 = time.perf_counter()
+        cache, feed, feed_valid, start = None, seq, valid, prompt_end
+        if 0 < prompt_end < seq.shape[1]:
+            # Prefill the prompt untapped: its final state, as the model computes it, is the first
+            # checkpoint (what a serving engine stores); only the decoded tokens are scanned.
+            cache = model(
+                input_ids=seq[:, :prompt_end],
+                attention_mask=valid[:, :prompt_end].long(),
+                use_cache=True,
+                logits_to_keep=1,
+            ).past_key_values
+            feed, feed_valid, start = seq[:, prompt_end:], valid[:, prompt_end:], 0
+
+        def on_call(call: MixerCall) -> None:
+            stats = self.stats[(batch.split, call.layer)]
+            stats.update(self.family, call.inputs, feed_valid, start, call.initial_state)
+
         with MixerTap(model, self.loaded.spec, on_call):
-            model(input_ids=seq, attention_mask=valid.long(), use_cache=False, logits_to_keep=1)
+            model(
+                input_ids=feed,
+                attention_mask=valid.long(),
+                past_key_values=cache,
+                use_cache=cache is not None,
+                logits_to_keep=1,
+            )
         _sync(dev)
         self.counters.capture_seconds += time.perf_counter() - t0
 

@@ -51,16 +51,25 @@ class LayerStats:
             "n_reads": torch.zeros(1, dtype=torch.int64, device=device),
         }
 
-    def update(self, family: Family, x: StepInputs, valid: Tensor, prompt_end: int) -> None:
+    def update(
+        self,
+        family: Family,
+        x: StepInputs,
+        valid: Tensor,
+        prompt_end: int,
+        initial_state: Tensor | None = None,
+    ) -> None:
         """Add one batch: ``x`` float64 [B, T, H, ...], ``valid`` [B, T] bool, windows aligned to
-        ``prompt_end`` (tokens before it are the prompt)."""
+        ``prompt_end`` (tokens before it are the prompt). ``initial_state`` [B, H, K, V] is the state
+        before the first token of ``x`` (default zero): pass the model's own prefill state with
+        ``prompt_end=0`` to skip rescanning the prompt."""
         if self.sums["E"].device != x.k.device:  # follow the layer's inputs (device maps, offloading)
             self.sums = {name: t.to(x.k.device) for name, t in self.sums.items()}
         lay = to_windows(x, valid.to(x.k.device), prompt_end, self.window)
         b, n, ln = lay.valid.shape
         h, kd, vd = self.shape.heads, self.shape.key_dim, self.shape.value_dim
         block = max(1, _BLOCK_BYTES // (b * h * kd * vd * 8))  # checkpoints held at once
-        state = x.k.new_zeros(b, h, kd, vd)
+        state = x.k.new_zeros(b, h, kd, vd) if initial_state is None else initial_state.to(x.k)
         ckpts: list[Tensor] = []
         for j in range(n):
             if j >= lay.first_decode:
