@@ -73,7 +73,7 @@ def one_run(args: argparse.Namespace) -> dict:
         "batch_size": args.batch_size,
         "device": args.device,
     }
-    if args.gen_tokens > 0:  # plain generation of the same prompts, same batches
+    if args.gen_tokens > 0 and not args.no_plain:  # plain generation of the same prompts, same batches
         loaded = load_model(args.model, device=args.device, dtype=args.dtype)
         samples = build_samples(loaded.tokenizer, None, num_samples=args.samples, seq_len=args.seq_len)
         ids = torch.tensor(samples.calib, device=loaded.device)
@@ -142,6 +142,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--workdir", default=None)
+    p.add_argument("--no-plain", action="store_true", help="skip the separate plain generate() timing")
     p.add_argument("--single", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.single:
@@ -171,6 +172,7 @@ def main() -> None:
             args.device,
             "--dtype",
             args.dtype,
+            *(["--no-plain"] if args.no_plain else []),
         ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
