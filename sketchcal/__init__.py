@@ -1,6 +1,6 @@
 """sketchcal: calibrated sketches of recurrent states for cheaper hybrid-model decoding.
 
-The Python API under the CLI: ``sketchcal.calibrate``, ``sketchcal.convert``, ``sketchcal.inspect``.
+The Python API under the CLI: ``sketchcal.calibrate``, ``convert``, ``inspect``, ``verify``.
 The function names shadow the subpackages of the same name on purpose.
 """
 

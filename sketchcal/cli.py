@@ -174,6 +174,108 @@ def bench(
     run(family, batch, rank, window, read_dtype, pools, tune, None if json_out is None else str(json_out))
 
 
+@app.command()
+def verify(
+    model_dir: Annotated[Path, typer.Argument(help="Directory written by sketchcal convert")],
+    baseline: Annotated[
+        str | None, typer.Option(help="Full-state model (default: the weights in DIR, else its base)")
+    ] = None,
+    data: Annotated[
+        str | None, typer.Option(help="Held-out text source (default: the built-in corpus)")
+    ] = None,
+    tokens: Annotated[int, typer.Option(help="Teacher-forced decode tokens per sample")] = 128,
+    rank: Annotated[
+        list[float] | None, typer.Option(help="Mean-rank budgets to sweep (repeat the option)")
+    ] = None,
+    prompt: Annotated[int, typer.Option(help="Prompt tokens prefilled before decoding")] = 32,
+    samples: Annotated[int, typer.Option(help="Held-out samples")] = 16,
+    batch_size: Annotated[int, typer.Option(help="Samples per batch")] = 8,
+    read_dtype: Annotated[
+        str | None, typer.Option(help="Read copy / sketch precision: fp32, bf16, fp16, fp8")
+    ] = None,
+    stats: Annotated[
+        Path | None, typer.Option(help="Calibration statistics (default: the artifact's provenance)")
+    ] = None,
+    out: Annotated[Path | None, typer.Option(help="Report folder (default DIR/verify)")] = None,
+    ablations: Annotated[
+        bool, typer.Option(help="Also run PCA, random and shared-precision ablations")
+    ] = True,
+    retrieval: Annotated[bool, typer.Option(help="Run the associative-recall test")] = True,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda")] = "auto",
+    seed: Annotated[int, typer.Option(help="Seed for sample selection")] = 0,
+) -> None:
+    """Accuracy and traffic of a converted model in standard, replay and sketch modes."""
+    from sketchcal.verify import verify as run
+
+    run(
+        model_dir,
+        baseline=baseline,
+        data=data,
+        tokens=tokens,
+        rank=rank or None,
+        out=out,
+        prompt=prompt,
+        samples=samples,
+        batch_size=batch_size,
+        read_dtype=read_dtype,
+        stats=stats,
+        ablations=ablations,
+        retrieval=retrieval,
+        device=device,
+        seed=seed,
+        command="sketchcal " + " ".join(sys.argv[1:]),
+    )
+
+
+@app.command()
+def push(
+    model_dir: Annotated[Path, typer.Argument(help="Directory written by sketchcal convert")],
+    repo_id: Annotated[str, typer.Option(help="Hub model repo NAMESPACE/NAME (created if missing)")],
+    private: Annotated[bool, typer.Option(help="Create the repo private (only when it is new)")] = False,
+    revision: Annotated[str | None, typer.Option(help="Branch to commit to (default main)")] = None,
+    dry_run: Annotated[bool, typer.Option(help="List the files and sizes; upload nothing")] = False,
+    verify_report: Annotated[
+        Path | None, typer.Option(help="verify.json to put in the card (default DIR/verify/verify.json)")
+    ] = None,
+    base_model: Annotated[
+        str | None, typer.Option(help="Hub id for the card's base_model (default: the sketch's base)")
+    ] = None,
+    commit_message: Annotated[str | None, typer.Option(help="Commit message")] = None,
+) -> None:
+    """Upload a converted model to the Hugging Face Hub in one commit, with a model card."""
+    from sketchcal.hub import print_push_result
+    from sketchcal.hub import push as run
+    from sketchcal.ui import console
+
+    result = run(
+        model_dir,
+        repo_id,
+        private=private,
+        revision=revision,
+        dry_run=dry_run,
+        verify_report=verify_report,
+        base_model=base_model,
+        commit_message=commit_message,
+    )
+    print_push_result(result, console)
+
+
+@app.command(
+    "lm-eval",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []},
+    add_help_option=False,
+)
+def lm_eval_command(ctx: typer.Context) -> None:
+    """Run lm-evaluation-harness with the sketchcal model registered; all arguments go to lm-eval.
+
+    Example: sketchcal lm-eval --model_args pretrained=DIR,mode=sketch --tasks hellaswag
+    (--model sketchcal is added when no --model is given).
+    """
+    from sketchcal.hub.lm_eval_model import main as run
+
+    run(list(ctx.args))
+
+
 def main() -> None:
     """Console entry point: user errors are one line on stderr and exit status 2."""
     try:

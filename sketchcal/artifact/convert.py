@@ -224,6 +224,8 @@ def convert(
         read_dtype,
         buffer_dtype,
     )
+    # Provenance: verify re-fits ablations and rank sweeps from these statistics.
+    section["calibration"] = {"stats_dir": str(Path(stats_dir).resolve())}
     with atomic_dir(out) as tmp:
         placed_mode = "reference"
         if weights == "full":

@@ -1,0 +1,458 @@
+"""Run a transformers model's recurrent mixers in ``standard``, ``replay`` or ``sketch`` mode.
+
+:func:`enable` patches only the mixers' recurrent step: the module-level kernel functions of the
+modeling module (the same names :class:`~sketchcal.models.MixerTap` taps) are replaced by
+dispatchers, and forward hooks on the mixers tell a dispatcher which layer (and which cache) is
+calling. Conv states, attention layers, norms and projections run unchanged; calls from mixers of
+other models pass straight through.
+
+Window rule. A call that starts a sequence (the prefill function with no initial state) runs its
+first ``prefill`` tokens (all of them when ``prefill`` is None, as in ``generate()``) through the
+model's own prefill; the state after them is the first checkpoint, and windows of L tokens start
+there. Every later token (the rest of that call, each ``generate()`` step, the tokens of any call
+that continues a cached state) is a decode step in the chosen mode. In ``standard`` mode decode
+steps run the model's own one-token function; with ``prefill`` None it changes nothing at all.
+
+Per sequence and layer the decode state (:mod:`sketchcal.runtime.state`) lives beside the cache the
+model passes to the mixer (a new cache starts a new sequence; a call without a cache is a sequence
+of its own). The cache's recurrent state holds the latest checkpoint: it is written at flushes only.
+Beam search (which reorders caches) is not supported in replay and sketch modes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+import inspect
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from sketchcal.artifact.sketch import SketchArtifact, read_sketch
+from sketchcal.errors import SketchcalError
+from sketchcal.models import ModelSpec, describe
+from sketchcal.models.capture import torch_reference
+from sketchcal.runtime.families import GLUES, FunctionGlue
+from sketchcal.runtime.precision import Precision, parse_dtype
+from sketchcal.runtime.sketch import SketchTables
+from sketchcal.runtime.state import DEFAULT_WINDOW, MODES, DecodeState, Probe, WindowState, make_state
+
+
+@dataclass
+class _Active:
+    runtime: Runtime
+    layer: int
+    cache: Any
+
+
+_CURRENT: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("sketchcal_runtime", default=None)
+
+
+class _Dispatcher:
+    """Stands in for one kernel function of a modeling module while any runtime uses that module."""
+
+    def __init__(self, module, name: str, kind: str):
+        self.module_name, self.name, self.kind = module.__name__, name, kind
+        self.original = getattr(module, name)
+        self.reference = torch_reference(self.original)
+        self.signature = inspect.signature(self.reference)
+        self.users = 0
+        # a MixerTap entered later binds arguments by this signature; no ``__wrapped__``, so it
+        # calls the dispatcher rather than the reference behind it
+        self.__signature__ = self.signature
+        self.__name__ = name
+
+    def impl(self, tensors: Any) -> Callable:
+        """The original on a GPU, its torch reference otherwise (as MixerTap)."""
+        on_cpu = not any(isinstance(a, Tensor) and a.is_cuda for a in tensors)
+        return self.reference if on_cpu else self.original
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        active = _CURRENT.get()
+        if active is None or active.runtime.module_name != self.module_name:
+            return self.impl([*args, *kwargs.values()])(*args, **kwargs)
+        return active.runtime._call(self.kind, args, kwargs, active)
+
+
+_DISPATCHERS: dict[tuple[str, str], _Dispatcher] = {}
+
+
+def _install(module, name: str, kind: str) -> _Dispatcher:
+    """Put the dispatcher of ``module.name`` in place (once, however many runtimes use it)."""
+    key = (module.__name__, name)
+    disp = _DISPATCHERS.get(key)
+    if disp is None or disp.users == 0:
+        if disp is None or getattr(module, name) is not disp:
+            disp = _Dispatcher(module, name, kind)  # wraps whatever is bound there now
+            _DISPATCHERS[key] = disp
+        setattr(module, name, disp)
+    disp.users += 1
+    return disp
+
+
+def _uninstall(module, disp: _Dispatcher) -> None:
+    disp.users -= 1
+    if disp.users == 0 and getattr(module, disp.name) is disp:
+        setattr(module, disp.name, disp.original)
+
+
+def _cache_of(args: tuple, kwargs: dict[str, Any]) -> Any:
+    """The cache a mixer was called with (keyword in every supported architecture), or None."""
+    for name in ("cache", "cache_params", "past_key_values"):
+        if kwargs.get(name) is not None:
+            return kwargs[name]
+    from transformers.cache_utils import Cache
+
+    return next((a for a in args if isinstance(a, Cache)), None)
+
+
+def _flatten(bound: inspect.BoundArguments) -> dict[str, Any]:
+    named = dict(bound.arguments)
+    named.update(named.pop("kwargs", {}) or {})
+    return named
+
+
+class Runtime:
+    """An enabled model: its mode, window, precision and per-sequence decode states.
+
+    Use :func:`enable` to make one. ``last_states`` maps layer → decode state of the sequence most
+    recently processed (for inspection: ``last_states[i].ckpt``, ``.pos``, ``.state()``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        spec: ModelSpec,
+        mode: str,
+        *,
+        window: int,
+        precision: Precision,
+        tables: dict[int, SketchTables],
+        prefill: int | None,
+        probe: Probe | None,
+    ):
+        self.model, self.spec, self.mode = model, spec, mode
+        self.window, self.precision, self.tables = window, precision, tables
+        self.prefill, self.probe = prefill, probe
+        self.glue: FunctionGlue = GLUES[spec.family]
+        self.module = importlib.import_module(spec.arch.module)
+        self.module_name = self.module.__name__
+        self.shapes = {s.layer: s for s in spec.layers}
+        self.last_states: dict[int, DecodeState] = {}
+        self._loose: dict[int, DecodeState] | None = None
+        self._by_id: dict[int, dict[int, DecodeState]] = {}
+        self._by_cache: weakref.WeakKeyDictionary[Any, dict[int, DecodeState]] = weakref.WeakKeyDictionary()
+        self._stack = contextlib.ExitStack()
+        self._tokens: list[contextvars.Token] = []
+        self._dispatchers: dict[str, _Dispatcher] = {}
+        self.active = False
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        adapter = self.spec.adapter
+        for kind, name in (("prefill", adapter.prefill_fn), ("decode", adapter.decode_fn)):
+            if getattr(self.module, name, None) is None:
+                raise SketchcalError(
+                    f"{self.module_name} has no {name}(): this transformers version is not supported; "
+                    "install transformers>=5.17"
+                )
+            disp = _install(self.module, name, kind)
+            self._dispatchers[kind] = disp
+            self._stack.callback(_uninstall, self.module, disp)
+        for mixer in self.spec.mixers(self.model):
+            pre = mixer.register_forward_pre_hook(self._enter, with_kwargs=True)
+            post = mixer.register_forward_hook(self._leave, with_kwargs=True, always_call=True)
+            self._stack.callback(pre.remove)
+            self._stack.callback(post.remove)
+        self.active = True
+
+    def disable(self) -> None:
+        """Restore the model (idempotent)."""
+        if not self.active:
+            return
+        self._stack.close()
+        self.active = False
+        if _ENABLED.get(self.model) is self:
+            del _ENABLED[self.model]
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.disable()
+
+    def _enter(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        self._tokens.append(_CURRENT.set(_Active(self, module.layer_idx, _cache_of(args, kwargs))))
+
+    def _leave(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if self._tokens:
+            _CURRENT.reset(self._tokens.pop())
+
+    # ---- states ----------------------------------------------------------------------------
+
+    def states(self, cache: Any = None) -> dict[int, DecodeState]:
+        """Decode states of the sequence held by ``cache`` (None: the last sequence processed)."""
+        if cache is None:
+            return self.last_states
+        try:
+            return self._by_cache.get(cache, {})
+        except TypeError:
+            return self._by_id.get(id(cache), {})
+
+    def _registry(self, cache: Any, layer: int, fresh: bool) -> dict[int, DecodeState]:
+        """The per-layer states of the sequence this call belongs to."""
+        if cache is not None:
+            try:
+                reg = self._by_cache.setdefault(cache, {})
+            except TypeError:  # a cache class that cannot be weakly referenced or hashed
+                reg = self._by_id.setdefault(id(cache), {})
+        else:  # no cache: one forward pass is one sequence; a layer starting again starts a new one
+            if fresh and (self._loose is None or layer in self._loose):
+                self._loose = {}
+            reg = self._loose if self._loose is not None else {}
+        self.last_states = reg
+        return reg
+
+    def _new_state(self, layer: int, checkpoint: Tensor) -> DecodeState:
+        return make_state(
+            self.mode,
+            self.spec.family,
+            checkpoint.float(),
+            window=self.window,
+            precision=self.precision,
+            tables=self.tables.get(layer),
+            layer=layer,
+            probe=self.probe,
+        )
+
+    # ---- the patched call ------------------------------------------------------------------
+
+    def _call(self, kind: str, args: tuple, kwargs: dict[str, Any], active: _Active) -> Any:
+        disp = self._dispatchers[kind]
+        bound = disp.signature.bind(*args, **kwargs)
+        passed = _flatten(bound)
+        bound.apply_defaults()
+        named = _flatten(bound)
+        impl = disp.impl(passed.values())
+        glue, layer = self.glue, active.layer
+        if named.get("cu_seqlens") is not None:
+            raise SketchcalError("packed sequences (cu_seqlens) are not supported by the sketchcal runtime")
+        s_in = named.get(glue.decode_state if kind == "decode" else glue.prefill_state)
+        fresh = s_in is None
+        n_tokens = glue.num_tokens(named) if kind == "prefill" else 1
+        if self.mode == "standard" and (not fresh or self.prefill is None or self.prefill >= n_tokens):
+            return impl(*args, **kwargs)
+        registry = self._registry(active.cache, layer, fresh)
+        if not fresh:  # decode steps continuing a cached state
+            state = self._resume(registry, layer, s_in, named)
+            flushes = state.flushes
+            out = state.step(self._inputs(kind, named))
+            ckpt_hf = glue.from_key_major(state.ckpt.state).float()
+            if kind == "prefill":
+                return glue.prefill_result(named, out, ckpt_hf)
+            if glue.family == "mamba2" and state.flushes != flushes:
+                s_in.copy_(ckpt_hf)  # this function updates the cache's state in place: at flushes only
+            return glue.decode_result(named, out, ckpt_hf)
+        n0 = n_tokens if self.prefill is None else min(self.prefill, n_tokens)
+        out0, s_hf = self._own_prefill(impl, (args, kwargs), named, n0, layer)
+        rest = glue.slice_tokens(named, n0, n_tokens)
+        if self.mode == "standard":
+            decode_impl = self._dispatchers["decode"].impl(passed.values())
+            out1, s_hf = glue.own_steps(decode_impl, rest, s_hf)
+            return glue.prefill_result(named, torch.cat([out0.float(), out1], dim=1), s_hf)
+        state = self._new_state(layer, glue.to_key_major(s_hf))
+        registry[layer] = state
+        outs = [out0.float()]
+        if n0 < n_tokens:
+            outs.append(state.step(self._inputs("prefill", rest)).float())
+        ckpt_hf = glue.from_key_major(state.ckpt.state).float()
+        return glue.prefill_result(named, torch.cat(outs, dim=1), ckpt_hf)
+
+    def _resume(self, registry: dict[int, DecodeState], layer: int, s_hf: Tensor, named) -> WindowState:
+        """The decode state this call continues; a cached state never seen before becomes a checkpoint."""
+        state = registry.get(layer)
+        if state is not None and state.ckpt.state.shape[0] != self.glue.batch(named):
+            raise SketchcalError(
+                "the batch changed in the middle of a sequence (beam search?): the sketchcal runtime "
+                "supports greedy and sampled decoding"
+            )
+        if state is None:
+            state = self._new_state(layer, self.glue.to_key_major(s_hf))
+            registry[layer] = state
+        return state
+
+    def _inputs(self, kind: str, named: dict[str, Any]):
+        if self.glue.family == "mamba2" and kind == "prefill":
+            named = {**named, "dt_limit": (0.0, float("inf"))}  # decode steps: the one-token function's dt
+        return self.spec.adapter.inputs(kind, named)[0]
+
+    def _own_prefill(
+        self, impl: Callable, call: tuple[tuple, dict[str, Any]], named: dict[str, Any], n0: int, layer: int
+    ) -> tuple[Tensor, Tensor]:
+        """The model's own prefill of the first ``n0`` tokens: outputs, final state (transformers layout).
+
+        The call keeps the caller's positional / keyword layout (a GPU kernel may name its
+        parameters differently from the torch reference).
+        """
+        glue = self.glue
+        if n0 == 0:
+            shape, ref = self.shapes[layer], named[glue.token_args[0]]
+            s = torch.zeros(ref.shape[0], shape.heads, shape.key_dim, shape.value_dim, device=ref.device)
+            empty = ref.new_zeros(ref.shape[0], 0, shape.heads, shape.value_dim, dtype=torch.float32)
+            return empty, glue.from_key_major(s)
+        args, kwargs = call
+        names = list(self._dispatchers["prefill"].signature.parameters)
+        new_args = [a[:, :n0] if names[i] in glue.token_args else a for i, a in enumerate(args)]
+        new_kwargs = {k: v[:, :n0] if k in glue.token_args else v for k, v in kwargs.items()}
+        if glue.final_flag in names[: len(args)]:
+            new_args[names.index(glue.final_flag)] = True
+        else:
+            new_kwargs[glue.final_flag] = True
+        out, state = impl(*new_args, **new_kwargs)
+        return out, state
+
+
+_ENABLED: weakref.WeakKeyDictionary[nn.Module, Runtime] = weakref.WeakKeyDictionary()
+
+
+def _load_artifact(artifact: str | Path | SketchArtifact | None, spec: ModelSpec) -> SketchArtifact | None:
+    """The sketch, checked against the model it will run with (fingerprint of its description)."""
+    if artifact is None:
+        return None
+    art = artifact if isinstance(artifact, SketchArtifact) else read_sketch(artifact)
+    if art.fingerprint != spec.fingerprint:
+        raise SketchcalError(
+            f"the sketch was fitted for another model (fingerprint {art.fingerprint[:12]}…, this model "
+            f"{spec.fingerprint[:12]}…); use the base model it was converted from, or reconvert"
+        )
+    return art
+
+
+def _artifact_window(art: SketchArtifact) -> int:
+    window = art.config.get("window", art.metadata.get("window"))
+    try:
+        return int(window)
+    except (TypeError, ValueError):
+        raise SketchcalError("the sketch has no valid window length; reconvert it") from None
+
+
+def enable(
+    model: nn.Module,
+    artifact: str | Path | SketchArtifact | None = None,
+    mode: str = "sketch",
+    *,
+    window: int | None = None,
+    read_dtype: str | torch.dtype | None = None,
+    shared: bool = False,
+    prefill: int | None = None,
+    compute_dtype: str | torch.dtype = "fp32",
+    probe: Probe | None = None,
+) -> Runtime:
+    """Make ``model.generate()`` and forward passes decode in ``mode``; returns the :class:`Runtime`.
+
+    Args:
+        model: a supported transformers model (any device).
+        artifact: a directory written by ``sketchcal convert`` or a loaded
+            :class:`~sketchcal.artifact.SketchArtifact`; needed for ``sketch``, optional otherwise
+            (it supplies the window). Its fingerprint must match the model.
+        mode: ``standard`` (the model's own step), ``replay`` (checkpoint + buffer) or ``sketch``.
+        window: flush every ``window`` tokens (default: the artifact's, else 16).
+        read_dtype: precision of the read copy / sketch: fp32, bf16, fp16 or fp8 (default: the
+            artifact's ``traffic.read_dtype``, else fp32). The checkpoint stays fp32.
+        shared: store the checkpoint itself in ``read_dtype`` (the single-precision ablation).
+        prefill: tokens of a fresh sequence run by the model's own prefill before decode steps
+            start (None: the whole first call, as ``generate()`` wants; an int for teacher forcing).
+        compute_dtype: dtype of the runtime math (fp32; fp64 for references).
+        probe: observer of reads and flushes (see :class:`~sketchcal.runtime.state.Probe`).
+
+    Raises:
+        SketchcalError: unsupported model, unknown mode or dtype, a sketch that does not fit the
+            model, or ``sketch`` mode without an artifact.
+    """
+    if mode not in MODES:
+        raise SketchcalError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if prefill is not None and prefill < 0:
+        raise SketchcalError(f"prefill must be None or ≥ 0, got {prefill}")
+    spec = describe(model)
+    art = _load_artifact(artifact, spec)
+    if mode == "sketch" and art is None:
+        raise SketchcalError("sketch mode needs a converted model directory (sketchcal convert --out DIR)")
+    if art is not None and art.config.get("family", spec.family) != spec.family:
+        raise SketchcalError(
+            f"the sketch is for {art.config.get('family')} layers, the model has {spec.family} layers"
+        )
+    if window is None:
+        window = _artifact_window(art) if art is not None else DEFAULT_WINDOW
+    if int(window) < 1:
+        raise SketchcalError(f"window must be at least 1, got {window}")
+    if read_dtype is None:
+        read_dtype = (art.config.get("traffic", {}).get("read_dtype") if art is not None else None) or "fp32"
+    precision = Precision(
+        read_dtype=parse_dtype(read_dtype),
+        shared=shared,
+        compute_dtype=parse_dtype(compute_dtype, "compute dtype"),
+    )
+    if mode == "standard" and (shared or precision.read_dtype != torch.float32):
+        raise SketchcalError("standard mode keeps the full fp32 state: read_dtype and shared do not apply")
+    tables: dict[int, SketchTables] = {}
+    if mode == "sketch":
+        devices = {m.layer_idx: next(m.parameters()).device for m in spec.mixers(model)}  # device_map safe
+        for shape in spec.layers:
+            try:
+                layer = art.layer(shape.layer)
+            except KeyError:
+                raise SketchcalError(f"the sketch has no layer {shape.layer}; reconvert it") from None
+            tables[shape.layer] = SketchTables.from_layer(
+                layer,
+                heads=shape.heads,
+                key_dim=shape.key_dim,
+                device=devices[shape.layer],
+                dtype=precision.compute_dtype,
+            )
+    previous = _ENABLED.get(model)
+    if previous is not None:
+        previous.disable()
+    runtime = Runtime(
+        model,
+        spec,
+        mode,
+        window=int(window),
+        precision=precision,
+        tables=tables,
+        prefill=prefill,
+        probe=probe,
+    )
+    runtime._start()
+    _ENABLED[model] = runtime
+    return runtime
+
+
+def disable(model: nn.Module) -> None:
+    """Restore ``model`` if a runtime is enabled on it."""
+    runtime = _ENABLED.get(model)
+    if runtime is not None:
+        runtime.disable()
+
+
+def runtime_of(model: nn.Module) -> Runtime | None:
+    """The runtime enabled on ``model``, if any."""
+    return _ENABLED.get(model)
+
+
+@contextlib.contextmanager
+def enabled(
+    model: nn.Module, artifact: str | Path | SketchArtifact | None = None, mode: str = "sketch", **kw: Any
+):
+    """``with enabled(model, art, mode="replay", prefill=64) as rt:`` — :func:`enable`, then restore."""
+    runtime = enable(model, artifact, mode, **kw)
+    try:
+        yield runtime
+    finally:
+        runtime.disable()

@@ -1,0 +1,508 @@
+"""``sketchcal.verify()``: accuracy and traffic of a converted model's sketch against the full state.
+
+Held-out text is run teacher-forced and batched: the first ``prompt`` tokens of every sample are
+the prefill (the model's own), the next ``tokens`` are decode steps, several windows long. The same
+batches run in every configuration (standard first: it is the reference of the KL and top-1
+numbers):
+
+- main: ``standard``, ``replay`` and ``sketch`` (the artifact's ranks);
+- ablations: PCA and random bases at the artifact's budget, and a low-precision read copy with two
+  precisions against the same precision ``shared`` by the single checkpoint;
+- rank sweep: the sketch re-fitted at each ``rank`` budget from the calibration statistics.
+
+Basis ablations and the rank sweep re-run ``convert`` (reference-only, into a temporary folder)
+on the statistics the artifact was made from: ``stats=`` or the artifact's calibration provenance.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from sketchcal.artifact.sketch import SketchArtifact, read_sketch
+from sketchcal.errors import SketchcalError
+from sketchcal.fit.traffic import TrafficModel, dtype_bytes
+from sketchcal.models import ModelSpec
+from sketchcal.runtime import enabled
+from sketchcal.runtime.precision import dtype_name, parse_dtype
+from sketchcal.verify.metrics import ReadErrorMeter, TokenMetrics
+from sketchcal.verify.retrieval import RecallSet, build_recall, recall_hits
+
+LOW_PRECISION = "bf16"  # the shared-precision ablation's dtype when the artifact reads in fp32
+
+
+@dataclass
+class RunConfig:
+    """One decoding configuration to evaluate."""
+
+    name: str
+    mode: str  # standard | replay | sketch
+    group: str  # main | ablation | rank sweep
+    artifact: SketchArtifact | None = None
+    read_dtype: str = "fp32"
+    shared: bool = False
+    basis: str | None = None
+    budget: float | None = None  # mean-rank budget the sketch was fitted for
+
+
+@dataclass
+class ConfigResult:
+    """What one configuration measured (errors are fractions; KL in nats)."""
+
+    name: str
+    mode: str
+    group: str
+    read_dtype: str
+    shared: bool
+    basis: str | None
+    budget: float | None
+    mean_rank: float | None  # over all heads, dense counted as K
+    layer_mean_rank: dict[int, float]
+    tokens: int
+    kl_mean: float
+    kl_p99: float
+    top1_agreement: float
+    perplexity: float
+    kl_by_position: list[float]
+    read_error: dict[int, float]  # per layer, Σ‖Δ‖²/Σ‖exact‖² of the non-flush reads
+    retrieval_accuracy: float | None
+    traffic: dict[str, float]
+
+    @property
+    def mean_read_error(self) -> float:
+        vals = list(self.read_error.values())
+        return sum(vals) / len(vals) if vals else 0.0
+
+
+@dataclass
+class VerifyResult:
+    model_dir: str
+    model_id: str  # where the weights came from
+    base_model: str | None  # the base model the sketch was converted from
+    family: str
+    window: int
+    prompt: int
+    tokens: int
+    samples: int
+    data: dict[str, Any]
+    retrieval: dict[str, Any] | None
+    configs: list[ConfigResult]
+    command: str
+    notes: list[str] = field(default_factory=list)
+    files: dict[str, str] = field(default_factory=dict)
+
+    def config(self, name: str) -> ConfigResult:
+        for c in self.configs:
+            if c.name == name:
+                return c
+        raise KeyError(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for c in d["configs"]:
+            c["read_error"] = {str(k): v for k, v in c["read_error"].items()}
+            c["layer_mean_rank"] = {str(k): v for k, v in c["layer_mean_rank"].items()}
+        return _finite(d)
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
+# ---- setup ---------------------------------------------------------------------------------------
+
+
+def _has_weights(d: Path) -> bool:
+    return any(d.glob("*.safetensors")) or (d / "model.safetensors.index.json").is_file()
+
+
+def _load(model_dir: Path, baseline: str | None, device: str):
+    """The model to run (its weights) and the sketch; the sketch's fingerprint must match the model."""
+    from sketchcal.models.loading import load_model
+
+    art = read_sketch(model_dir)
+    if baseline is not None:
+        source = baseline
+    elif _has_weights(model_dir):
+        source = str(model_dir)
+    else:
+        source = art.config.get("base_model", {}).get("id")
+        if not source:
+            raise SketchcalError(
+                f"{model_dir} holds no weights and names no base model; "
+                "pass the full-state model (--baseline)"
+            )
+    loaded = load_model(source, device=device)
+    read_sketch(model_dir, config=loaded.model.config)  # fingerprint check against the loaded model
+    return loaded, art
+
+
+def _stats_dir(art: SketchArtifact, stats: str | Path | None) -> Path | None:
+    if stats is not None:
+        return Path(stats)
+    cal = art.config.get("calibration")
+    for cand in (
+        (cal or {}).get("stats_dir") if isinstance(cal, dict) else None,
+        art.config.get("stats_dir"),
+    ):
+        if cand and Path(cand).is_dir():
+            return Path(cand)
+    return None
+
+
+def _refit(stats: Path, art: SketchArtifact, rank: float, basis: str, work: Path) -> SketchArtifact:
+    """The sketch re-fitted from ``stats`` at mean rank ``rank`` with ``basis`` (other choices as ``art``)."""
+    from sketchcal.artifact import convert
+
+    shrink = art.config.get("shrinkage", {})
+    method = shrink.get("method", "auto") if isinstance(shrink, dict) else "auto"
+    traffic = art.config.get("traffic", {})
+    out = work / f"{basis}-rank{rank:g}"
+    if not out.exists():
+        convert(
+            stats,
+            rank=rank,
+            out=out,
+            reference_only=True,
+            basis=basis,
+            coef=art.config.get("coef", "state"),
+            shrinkage=method,
+            read_dtype=traffic.get("read_dtype", "float32"),
+            buffer_dtype=traffic.get("buffer_dtype", "bfloat16"),
+        )
+    return read_sketch(out)
+
+
+def _budget(art: SketchArtifact) -> float | None:
+    b = art.config.get("budget") or {}
+    if "rank" in b:
+        return float(b["rank"])
+    summary = art.config.get("summary") or {}
+    return float(summary["mean_rank"]) if summary.get("mean_rank") is not None else None
+
+
+def layer_ranks(art: SketchArtifact) -> dict[int, list[int]]:
+    return {lay.layer: [int(r) for r in lay.ranks.tolist()] for lay in art.layers}
+
+
+def traffic(
+    spec: ModelSpec, ranks: dict[int, list[int]] | None, window: int, read_dtype: str, buffer_dtype: str
+) -> dict[str, float]:
+    """Per-token state traffic of all mixer layers (:mod:`sketchcal.fit.traffic`); ranks None = replay."""
+    total = replay = standard = 0.0
+    for shape in spec.layers:
+        tm = TrafficModel(
+            family=spec.family,
+            key_dim=shape.key_dim,
+            value_dim=shape.value_dim,
+            window=window,
+            heads_per_group=shape.heads_per_group,
+            state_bytes=4,
+            read_bytes=dtype_bytes(read_dtype),
+            buffer_bytes=dtype_bytes(buffer_dtype),
+        )
+        heads = ranks[shape.layer] if ranks is not None else [0] * shape.heads
+        total += sum(tm.step_bytes(m) for m in heads)
+        replay += shape.heads * tm.step_bytes(0)
+        standard += shape.heads * tm.standard_step_bytes()
+    return {
+        "bytes_per_token": total,
+        "replay_bytes_per_token": replay,
+        "standard_bytes_per_token": standard,
+        "reduction_vs_standard": 1.0 - total / standard,
+        "reduction_vs_replay": 1.0 - total / replay,
+    }
+
+
+def _mean_ranks(spec: ModelSpec, ranks: dict[int, list[int]]) -> tuple[float, dict[int, float]]:
+    eff, per_layer = [], {}
+    for shape in spec.layers:
+        r = [shape.key_dim if m == 0 else m for m in ranks[shape.layer]]
+        per_layer[shape.layer] = sum(r) / len(r)
+        eff.extend(r)
+    return sum(eff) / len(eff), per_layer
+
+
+# ---- running -------------------------------------------------------------------------------------
+
+
+def teacher_forced(
+    model: nn.Module,
+    cfg: RunConfig,
+    ids: torch.Tensor,
+    *,
+    prompt: int,
+    window: int,
+    probe: ReadErrorMeter | None = None,
+) -> torch.Tensor:
+    """Logits [B, T − prompt, vocab] of positions prompt.. of ``ids`` [B, T], decoded in ``cfg``'s mode."""
+    kw: dict[str, Any] = {"prefill": prompt, "window": window, "probe": probe}
+    if cfg.mode != "standard":
+        kw.update(read_dtype=cfg.read_dtype, shared=cfg.shared)
+    with torch.no_grad(), enabled(model, cfg.artifact, cfg.mode, **kw):
+        out = model(input_ids=ids, use_cache=False, logits_to_keep=ids.shape[1] - prompt)
+    return out.logits
+
+
+def _configs(
+    art: SketchArtifact,
+    read_dtype: str,
+    stats: Path | None,
+    ranks: list[float],
+    ablations: bool,
+    work: Path,
+    notes: list[str],
+) -> list[RunConfig]:
+    basis = art.config.get("basis", "state")
+    budget = _budget(art)
+    cfgs = [
+        RunConfig("standard", "standard", "main"),
+        RunConfig("replay", "replay", "main", art, read_dtype),
+        RunConfig("sketch", "sketch", "main", art, read_dtype, basis=basis, budget=budget),
+    ]
+    if ablations:
+        if stats is not None and budget is not None:
+            for alt in ("pca", "random"):
+                if alt != basis:
+                    cfgs.append(
+                        RunConfig(
+                            f"sketch · {alt} basis",
+                            "sketch",
+                            "ablation",
+                            _refit(stats, art, budget, alt, work),
+                            read_dtype,
+                            basis=alt,
+                            budget=budget,
+                        )
+                    )
+        elif stats is None:
+            notes.append(
+                "basis ablations skipped: the calibration statistics were not found "
+                "(pass stats=DIR / --stats DIR)"
+            )
+        low = read_dtype if parse_dtype(read_dtype) != torch.float32 else LOW_PRECISION
+        if low != read_dtype:
+            cfgs.append(
+                RunConfig(f"sketch · {low} two precisions", "sketch", "ablation", art, low, False, basis)
+            )
+        cfgs.append(RunConfig(f"sketch · {low} shared", "sketch", "ablation", art, low, True, basis))
+    for r in ranks:
+        if stats is None:
+            raise SketchcalError(
+                "--rank re-fits the sketch from its calibration statistics, which were not found; "
+                "pass the statistics directory (stats=DIR / --stats DIR)"
+            )
+        cfgs.append(
+            RunConfig(
+                f"sketch · rank {r:g}",
+                "sketch",
+                "rank sweep",
+                _refit(stats, art, r, basis, work),
+                read_dtype,
+                basis=basis,
+                budget=r,
+            )
+        )
+    return cfgs
+
+
+def verify(
+    model_dir: str | Path,
+    baseline: str | None = None,
+    data: str | None = None,
+    tokens: int = 128,
+    rank: list[float] | float | None = None,
+    *,
+    out: str | Path | None = None,
+    prompt: int = 32,
+    samples: int = 16,
+    batch_size: int = 8,
+    read_dtype: str | None = None,
+    stats: str | Path | None = None,
+    ablations: bool = True,
+    retrieval: bool = True,
+    plots: bool = True,
+    device: str = "auto",
+    seed: int = 0,
+    text_field: str = "text",
+    data_revision: str | None = None,
+    command: str | None = None,
+    progress: bool = True,
+) -> VerifyResult:
+    """Measure a converted model's sketch against the full-state model and write a report.
+
+    Args:
+        model_dir: the directory ``sketchcal convert`` wrote.
+        baseline: the full-state model (Hub id, directory, ``builtin:NAME``) whose weights run every
+            mode; default: the weights in ``model_dir``, else its base model.
+        data: held-out text source (as ``calibrate --data``; None: the built-in corpus). Only the
+            held-out split is read.
+        tokens: decoded (teacher-forced) tokens per sample after the ``prompt`` prefill tokens.
+        rank: mean-rank budgets to sweep by re-fitting from the calibration statistics.
+        out: report folder (default ``model_dir/verify``): ``verify.json``, ``report.md``, PNG plots.
+        samples, batch_size: held-out samples and how many run together.
+        read_dtype: read copy / sketch precision (fp32, bf16, fp16, fp8; default: the artifact's).
+        stats: the statistics directory (default: the artifact's calibration provenance).
+        ablations / retrieval / plots: switch those parts off.
+        command: the command line to print in the report (default: the equivalent CLI call).
+
+    Raises:
+        SketchcalError: bad arguments, an unusable directory or data source, a model that does not
+            match the sketch, or a rank sweep without statistics.
+    """
+    from sketchcal.data import build_samples
+    from sketchcal.ui import console, progress_bar
+    from sketchcal.verify.report import print_table, write_report
+
+    model_dir = Path(model_dir)
+    ranks = [] if rank is None else [float(r) for r in ([rank] if isinstance(rank, int | float) else rank)]
+    for name, value, low in (("tokens", tokens, 1), ("samples", samples, 1), ("batch_size", batch_size, 1)):
+        if int(value) < low:
+            raise SketchcalError(f"--{name.replace('_', '-')} must be at least {low}, got {value}")
+    if prompt < 0:
+        raise SketchcalError(f"--prompt must not be negative, got {prompt}")
+    if any(r <= 0 for r in ranks):
+        raise SketchcalError("--rank budgets must be positive")
+    stats_dir = _stats_dir(read_sketch(model_dir), stats)
+    if ranks and stats_dir is None:
+        raise SketchcalError(
+            "--rank re-fits the sketch from its calibration statistics, which were not found; "
+            "pass the statistics directory (stats=DIR / --stats DIR)"
+        )
+    if stats is not None and not Path(stats).is_dir():
+        raise SketchcalError(f"statistics directory {stats} does not exist")
+    loaded, art = _load(model_dir, baseline, device)
+    spec, model, dev = loaded.spec, loaded.model, loaded.device
+    window = int(art.config.get("window", art.metadata.get("window", 16)))
+    traffic_cfg = art.config.get("traffic", {})
+    read_dtype = dtype_name(parse_dtype(read_dtype or traffic_cfg.get("read_dtype", "float32")))
+    buffer_dtype = traffic_cfg.get("buffer_dtype", "bfloat16")
+    notes: list[str] = []
+    sample_set = build_samples(
+        loaded.tokenizer,
+        data,
+        num_samples=1,
+        seq_len=prompt + tokens + 1,
+        heldout_samples=samples,
+        seed=seed,
+        text_field=text_field,
+        revision=data_revision,
+    )
+    held = torch.tensor(sample_set.heldout)
+    recall: RecallSet | None = None
+    if retrieval:
+        recall = build_recall(
+            loaded.tokenizer, [row[:prompt] for row in sample_set.heldout], tokens, seed=seed
+        )
+
+    with tempfile.TemporaryDirectory(prefix="sketchcal-verify-") as tmp:
+        cfgs = _configs(art, read_dtype, stats_dir, ranks, ablations, Path(tmp), notes)
+        metrics = {c.name: TokenMetrics(window) for c in cfgs}
+        meters = {c.name: ReadErrorMeter(window) for c in cfgs}
+        hits: dict[str, list[torch.Tensor]] = {c.name: [] for c in cfgs}
+        positions = torch.arange(tokens) % window + 1
+        batches = [held[i : i + batch_size] for i in range(0, len(held), batch_size)]
+        recall_batches = [] if recall is None else list(range(0, recall.ids.shape[0], batch_size))
+        total = (len(batches) + len(recall_batches)) * len(cfgs)
+        with progress_bar(enabled=progress) as bar:
+            task = bar.add_task(f"verifying {model_dir.name}", total=total)
+            for batch in batches:
+                ids = batch[:, : prompt + tokens].to(dev)
+                targets = batch[:, prompt + 1 : prompt + tokens + 1].to(dev)
+                ref = None
+                for c in cfgs:
+                    probe = None if c.mode == "standard" else meters[c.name]
+                    logits = teacher_forced(model, c, ids, prompt=prompt, window=window, probe=probe)
+                    ref = logits if ref is None else ref
+                    metrics[c.name].add(ref, logits, targets, positions)
+                    bar.update(task, advance=1)
+            for start in recall_batches:
+                ids = recall.ids[start : start + batch_size].to(dev)
+                for c in cfgs:
+                    logits = teacher_forced(model, c, ids, prompt=prompt, window=window)
+                    q = slice(start, start + batch_size)
+                    hits[c.name].append(recall_hits(logits, recall.query_pos[q], recall.answers[q], prompt))
+                    bar.update(task, advance=1)
+
+    results = []
+    for c in cfgs:
+        summary = metrics[c.name].summary()
+        ranks_c = layer_ranks(c.artifact) if c.mode == "sketch" else None
+        mean_rank, layer_mean = _mean_ranks(spec, ranks_c) if ranks_c else (None, {})
+        acc = None
+        if hits[c.name]:
+            acc = float(torch.cat(hits[c.name]).double().mean())
+        results.append(
+            ConfigResult(
+                name=c.name,
+                mode=c.mode,
+                group=c.group,
+                read_dtype=c.read_dtype,
+                shared=c.shared,
+                basis=c.basis,
+                budget=c.budget,
+                mean_rank=mean_rank,
+                layer_mean_rank=layer_mean,
+                tokens=int(summary["tokens"]),
+                kl_mean=summary["kl_mean"],
+                kl_p99=summary["kl_p99"],
+                top1_agreement=summary["top1_agreement"],
+                perplexity=summary["perplexity"],
+                kl_by_position=summary["kl_by_position"],
+                read_error=meters[c.name].per_layer(),
+                retrieval_accuracy=acc,
+                traffic=traffic(
+                    spec, ranks_c, window, c.read_dtype if c.mode != "standard" else "fp32", buffer_dtype
+                )
+                if c.mode != "standard"
+                else {},
+            )
+        )
+    result = VerifyResult(
+        model_dir=str(model_dir),
+        model_id=loaded.model_id,
+        base_model=(art.config.get("base_model") or {}).get("id"),
+        family=spec.family,
+        window=window,
+        prompt=prompt,
+        tokens=tokens,
+        samples=len(held),
+        data=sample_set.info,
+        retrieval=None
+        if recall is None
+        else {"task": "associative recall", "pairs": recall.n_pairs, "queries": recall.num_queries},
+        configs=results,
+        command=command or _command(model_dir, baseline, data, tokens, ranks, prompt, samples, stats),
+        notes=notes,
+    )
+    out_dir = Path(out) if out is not None else model_dir / "verify"
+    result.files = write_report(result, out_dir, plots=plots)
+    print_table(result, console)
+    return result
+
+
+def _command(model_dir, baseline, data, tokens, ranks, prompt, samples, stats) -> str:
+    parts = ["sketchcal", "verify", str(model_dir)]
+    if baseline:
+        parts += ["--baseline", str(baseline)]
+    if data:
+        parts += ["--data", str(data)]
+    parts += ["--tokens", str(tokens), "--prompt", str(prompt), "--samples", str(samples)]
+    for r in ranks:
+        parts += ["--rank", f"{r:g}"]
+    if stats:
+        parts += ["--stats", str(stats)]
+    return shlex.join(parts)

@@ -1,0 +1,135 @@
+"""verify end to end on builtin:tiny-gdn with synthetic statistics, plus its metrics and retrieval task."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from sketchcal.artifact import config_fingerprint, convert
+from sketchcal.artifact.synthetic import write_synthetic_stats
+from sketchcal.errors import SketchcalError
+from sketchcal.models.loading import load_model
+from sketchcal.verify import verify
+from sketchcal.verify.metrics import kl_per_token, nll_per_token, percentile
+from sketchcal.verify.retrieval import build_recall, recall_hits
+
+WINDOW = 8
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model("builtin:tiny-gdn", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory, loaded):
+    root = tmp_path_factory.mktemp("verify")
+    layers = [s.as_dict() for s in loaded.spec.layers]
+    stats = write_synthetic_stats(
+        root / "stats",
+        layers,
+        fingerprint=config_fingerprint(loaded.model.config),
+        model_id="builtin:tiny-gdn",
+        model_type=loaded.spec.arch.model_type,
+        window=WINDOW,
+    )
+    convert(stats, rank=4, out=root / "art", model="builtin:tiny-gdn", shrinkage="ledoit_wolf")
+    return root
+
+
+def test_verify_end_to_end(artifact, loaded, tmp_path):
+    out = tmp_path / "report"
+    res = verify(
+        artifact / "art",
+        tokens=3 * WINDOW,
+        rank=[8],
+        out=out,
+        prompt=8,
+        samples=4,
+        batch_size=2,
+        stats=artifact / "stats",
+        device="cpu",
+        progress=False,
+    )
+    for name in ("verify.json", "report.md", "kl_by_position.png", "error_by_rank.png"):
+        assert (out / name).is_file(), name
+    data = json.loads((out / "verify.json").read_text())
+    names = [c["name"] for c in data["configs"]]
+    assert names[:3] == ["standard", "replay", "sketch"]
+    assert {"sketch · pca basis", "sketch · random basis", "sketch · bf16 shared", "sketch · rank 8"} <= set(
+        names
+    )
+    std, rep, sk = (res.config(n) for n in ("standard", "replay", "sketch"))
+    assert rep.kl_mean < 1e-10 and rep.top1_agreement == 1.0 and max(rep.read_error.values()) == 0.0
+    assert sk.kl_mean > 0 and min(sk.read_error.values()) > 0 and len(sk.kl_by_position) == WINDOW
+    assert set(sk.read_error) == {s.layer for s in loaded.spec.layers}
+    # traffic: the byte model's number for the artifact's ranks, as convert reported it
+    cfg = json.loads((artifact / "art" / "config.json").read_text())["sketch_config"]
+    assert math.isclose(sk.traffic["reduction_vs_standard"], cfg["summary"]["reduction_vs_standard"])
+    # standard perplexity against the plain model's own forward on the same samples
+    ids = torch.tensor([row for row in _heldout(loaded, 8 + 3 * WINDOW + 1)])
+    with torch.no_grad():
+        logits = loaded.model(ids[:, :-1], use_cache=False).logits[:, 8:]
+    ppl = math.exp(float(nll_per_token(logits, ids[:, 9:]).mean()))
+    assert math.isclose(std.perplexity, ppl, rel_tol=1e-4)
+    assert res.retrieval["queries"] == 4 * 3 and std.retrieval_accuracy is not None
+    md = (out / "report.md").read_text()
+    assert "sketchcal verify" in md and "| sketch |" in md and "kl_by_position.png" in md
+
+
+def _heldout(loaded, seq_len: int) -> list[list[int]]:
+    from sketchcal.data import build_samples
+
+    return build_samples(loaded.tokenizer, None, num_samples=1, seq_len=seq_len, heldout_samples=4).heldout
+
+
+def test_verify_errors(artifact, tmp_path):
+    with pytest.raises(SketchcalError, match=r"config\.json"):
+        verify(tmp_path, device="cpu", progress=False)
+    # an artifact whose calibration statistics have moved away
+    import json
+    import shutil
+
+    moved = tmp_path / "moved"
+    shutil.copytree(artifact / "art", moved)
+    cfg = json.loads((moved / "config.json").read_text())
+    cfg["sketch_config"]["calibration"] = {"stats_dir": str(tmp_path / "gone")}
+    (moved / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SketchcalError, match="statistics"):
+        verify(moved, rank=[8], tokens=8, samples=1, device="cpu", progress=False, out=tmp_path / "r")
+
+
+def test_metrics_against_torch():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(5, 7, 11, generator=g), torch.randn(5, 7, 11, generator=g)
+    want = torch.nn.functional.kl_div(
+        torch.log_softmax(b.double(), -1),
+        torch.log_softmax(a.double(), -1),
+        log_target=True,
+        reduction="none",
+    ).sum(-1)
+    assert torch.allclose(kl_per_token(a, b), want)
+    t = torch.randint(0, 11, (5, 7), generator=g)
+    nll = torch.nn.functional.cross_entropy(b.double().reshape(-1, 11), t.flatten(), reduction="none")
+    assert torch.allclose(nll_per_token(b, t).flatten(), nll)
+    v = torch.rand(1000, generator=g, dtype=torch.float64)
+    assert math.isclose(percentile(v, 0.99), float(np.quantile(v.numpy(), 0.99)))
+
+
+def test_recall_task_is_well_formed(loaded):
+    prefixes = [[5, 6, 7]] * 3
+    rs = build_recall(loaded.tokenizer, prefixes, 64, seed=1)
+    assert rs.ids.shape == (3, 3 + 64)
+    for n in range(3):
+        seq = rs.ids[n].tolist()
+        for pos, ans in zip(rs.query_pos[n].tolist(), rs.answers[n].tolist(), strict=True):
+            assert seq[pos + 1] == ans  # teacher-forced answer right after the queried key
+            first = seq.index(seq[pos], 3)
+            assert first < pos and seq[first + 1] == ans  # the pair appeared before
+    logits = torch.zeros(3, 64, len(loaded.tokenizer))  # argmax 0: never a word token
+    hits = recall_hits(logits, rs.query_pos, rs.answers, 3)
+    assert hits.shape == rs.answers.shape and not hits.any()
