@@ -101,7 +101,7 @@ def calibrate(
 
 @app.command()
 def convert(
-    stats_dir: Annotated[Path, typer.Argument(help="Statistics directory written by sketchcal calibrate")],
+    stats_dir: Annotated[str, typer.Argument(help="Statistics directory written by calibrate, or a Hub id")],
     out: Annotated[Path, typer.Option(help="Model directory to write (must not exist)")],
     rank: Annotated[
         float | None, typer.Option(help="Mean rank over all heads (dense heads count as K)")
@@ -118,6 +118,10 @@ def convert(
     basis: Annotated[str, typer.Option(help="state (default), or the ablations pca / random")] = "state",
     shrinkage: Annotated[str, typer.Option(help="auto, ledoit_wolf, oas or none")] = "auto",
     seed: Annotated[int, typer.Option(help="Seed of the random-basis ablation")] = 0,
+    stats_revision: Annotated[
+        str | None, typer.Option(help="Revision of STATS_DIR when it is a Hub id")
+    ] = None,
+    revision: Annotated[str | None, typer.Option(help="Revision of --model when it is a Hub id")] = None,
 ) -> None:
     """Fit sketch bases, allocate per-head ranks and write a loadable model directory."""
     from sketchcal.artifact import convert as run
@@ -126,8 +130,12 @@ def convert(
 
     if (rank is None) == (bytes_per_token is None):
         raise SketchcalError("give exactly one budget: --rank M or --bytes-per-token B")
+    from sketchcal.hub.resolve import is_hub_id, resolve
+
+    if is_hub_id(model):
+        model = str(resolve(model, revision=revision))
     result = run(
-        stats_dir,
+        resolve(stats_dir, revision=stats_revision),
         rank=rank,
         bytes_per_token=bytes_per_token,
         out=out,
@@ -176,7 +184,7 @@ def bench(
 
 @app.command()
 def verify(
-    model_dir: Annotated[Path, typer.Argument(help="Directory written by sketchcal convert")],
+    model_dir: Annotated[str, typer.Argument(help="Directory written by sketchcal convert, or a Hub id")],
     baseline: Annotated[
         str | None, typer.Option(help="Full-state model (default: the weights in DIR, else its base)")
     ] = None,
@@ -203,12 +211,16 @@ def verify(
     retrieval: Annotated[bool, typer.Option(help="Run the associative-recall test")] = True,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda")] = "auto",
     seed: Annotated[int, typer.Option(help="Seed for sample selection")] = 0,
+    revision: Annotated[str | None, typer.Option(help="Revision when MODEL_DIR is a Hub id")] = None,
 ) -> None:
     """Accuracy and traffic of a converted model in standard, replay and sketch modes."""
+    from sketchcal.hub.resolve import is_hub_id, resolve
     from sketchcal.verify import verify as run
 
+    if is_hub_id(model_dir) and out is None:
+        out = Path("verify-" + model_dir.split("/")[-1])  # never write into the Hugging Face cache
     run(
-        model_dir,
+        resolve(model_dir, revision=revision),
         baseline=baseline,
         data=data,
         tokens=tokens,
