@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerates this folder's report (under a minute on 2 idle CPU cores, no GPU, no network):
+# Regenerates this folder's report (about a minute on 2 idle CPU cores, no GPU, no network):
 # calibrate the built-in tiny GDN model (Qwen3.5 layout, random weights) on the built-in corpus,
 # convert its statistics at mean rank 8, then verify the sketch with a rank sweep.
 set -euo pipefail
@@ -9,16 +9,4 @@ trap 'rm -rf "$work"' EXIT
 cd "$work"
 sketchcal calibrate builtin:tiny-gdn --out stats
 sketchcal convert stats --rank 8 --out tiny-gdn-sketch
-python - "$here" <<'PY'
-import sys
-
-from sketchcal.verify import verify
-
-call = "verify('tiny-gdn-sketch', stats='stats', tokens=128, rank=[4, 6, 12], out='docs/verify-example')"
-command = "\n".join([
-    "sketchcal calibrate builtin:tiny-gdn --out stats",
-    "sketchcal convert stats --rank 8 --out tiny-gdn-sketch",
-    f'python -c "from sketchcal.verify import verify; {call}"',
-])
-verify("tiny-gdn-sketch", stats="stats", tokens=128, rank=[4, 6, 12], out=sys.argv[1], command=command)
-PY
+sketchcal verify tiny-gdn-sketch --tokens 128 --rank 4 --rank 6 --rank 12 --out "$here"
