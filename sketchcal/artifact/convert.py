@@ -16,7 +16,6 @@ calibration/curves.safetensors   per-layer error curves (for inspect)
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,7 @@ from sketchcal.fit.layer import COEF_KINDS, LayerFit
 from sketchcal.fit.ranks import SUPPORTED_RANKS
 from sketchcal.fit.shrinkage import SHRINKAGE_METHODS
 from sketchcal.fit.traffic import TrafficModel, dtype_bytes
-from sketchcal.fsutil import atomic_dir
+from sketchcal.fsutil import atomic_dir, finite_json
 
 CURVES_FILE = "calibration/curves.safetensors"
 ALLOCATION_FILE = "calibration/allocation.json"
@@ -254,7 +253,7 @@ def convert(
         )
         (tmp / "calibration").mkdir()
         (tmp / MANIFEST_COPY).write_text(json.dumps(stats.manifest, indent=2) + "\n")
-        (tmp / ALLOCATION_FILE).write_text(json.dumps(_finite(alloc.to_dict()), indent=2) + "\n")
+        (tmp / ALLOCATION_FILE).write_text(json.dumps(finite_json(alloc.to_dict()), indent=2) + "\n")
         _write_curves(tmp / CURVES_FILE, fits)
         (tmp / "README.md").write_text(
             model_card(
@@ -314,17 +313,6 @@ def _fit_and_allocate(
     return fits, alloc, meth, scores
 
 
-def _finite(obj: Any) -> Any:
-    """JSON has no NaN: replace non-finite floats with None."""
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_finite(v) for v in obj]
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    return obj
-
-
 def _sketch_config(
     stats: Stats,
     base_id,
@@ -338,7 +326,9 @@ def _sketch_config(
     read_dtype,
     buffer_dtype,
 ) -> dict[str, Any]:
-    summary = _finite({k: v for k, v in alloc.to_dict().items() if k not in ("layers", "notes", "budget")})
+    summary = finite_json(
+        {k: v for k, v in alloc.to_dict().items() if k not in ("layers", "notes", "budget")}
+    )
     return {
         "format": SKETCH_FORMAT,
         "version": SKETCH_VERSION,

@@ -16,7 +16,6 @@ on the statistics the artifact was made from: ``stats=`` or the artifact's calib
 
 from __future__ import annotations
 
-import math
 import shlex
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -29,6 +28,7 @@ from torch import nn
 from sketchcal.artifact.sketch import SketchArtifact, read_sketch
 from sketchcal.errors import SketchcalError
 from sketchcal.fit.traffic import TrafficModel, dtype_bytes
+from sketchcal.fsutil import finite_json
 from sketchcal.models import ModelSpec
 from sketchcal.runtime import enabled
 from sketchcal.runtime.precision import dtype_name, parse_dtype
@@ -109,17 +109,7 @@ class VerifyResult:
         for c in d["configs"]:
             c["read_error"] = {str(k): v for k, v in c["read_error"].items()}
             c["layer_mean_rank"] = {str(k): v for k, v in c["layer_mean_rank"].items()}
-        return _finite(d)
-
-
-def _finite(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_finite(v) for v in obj]
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    return obj
+        return finite_json(d)
 
 
 # ---- setup ---------------------------------------------------------------------------------------
