@@ -6,8 +6,8 @@ For one family and batch size it times, side by side in one run:
 - ``anchor``: the public kernel for the same step (fla 0.6.0 ``fused_recurrent`` for GDN and
   KDA, mamba_ssm's ``selective_state_update`` for Mamba-2), when importable;
 - the ReplaySSM window: (L − 1) replay steps + 1 flush, and the SketchSSM window: (L − 1)
-  sketch steps + 1 flush (Mamba-2/GDN: plus the k/q rotation of every step), each per window
-  and per component;
+  sketch steps + 1 flush (which also writes the sketch R_{:m} S_c), each per window and per
+  component;
 - a device-to-device copy (bytes read + bytes written), the bandwidth ceiling.
 
 Every timing replays a CUDA graph over ``pools`` (≥ 4) independent state pools in turn, so the
@@ -31,7 +31,6 @@ from sketchcal.errors import SketchcalError
 from sketchcal.kernels.common import decode
 from sketchcal.kernels.common.decode import KernelConfig
 from sketchcal.kernels.common.pool import (
-    ROTATED,
     DecodePool,
     SketchTables,
     allocate_pool,
@@ -60,11 +59,20 @@ MODEL_SHAPES = {
 
 READ_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
-# launch shapes tried with ``tune=True`` (block_v, num_warps); block_v is clipped to V
-TUNE_CANDIDATES = {
-    "standard": [(64, 4), (32, 2), (16, 1)],
-    "read": [(128, 2), (64, 1), (32, 1)],
-    "flush": [(32, 4), (32, 2), (16, 1), (8, 1)],
+# launch shapes tried with ``tune=True``: (block_v, num_warps[, chunked]) per kernel and family;
+# block_v is clipped to V. The standard step keeps the shape tuned earlier (BENCHMARKS.md).
+TUNE_CANDIDATES: dict[str, dict[str, list[tuple]]] = {
+    "standard": {f: [(64, 4)] for f in ("mamba2", "gdn", "kda")},
+    "read": {
+        "mamba2": [(64, 1), (64, 2), (32, 1)],
+        "gdn": [(64, 1), (64, 2), (128, 2)],
+        "kda": [(64, 1), (128, 2), (32, 1)],
+    },
+    "flush": {
+        "mamba2": [(64, 4), (32, 4), (64, 8)],
+        "gdn": [(32, 4), (64, 4), (16, 2)],
+        "kda": [(32, 4, True), (128, 8, True), (16, 1, False)],
+    },
 }
 
 
@@ -172,10 +180,6 @@ class ByteModel:
     def standard(self) -> int:
         return self.batch * (2 * self.state() + self.io())
 
-    def rotate(self) -> int:
-        _, g, kd, _ = self._h
-        return self.batch * 4 * g * kd * self.input_bytes + g * kd * kd * 4
-
     def replay_step(self, p: int) -> int:
         h, _, kd, vd = self._h
         return self.batch * (h * kd * vd * self.read_bytes + p * self.token() + self.token() + self.io())
@@ -184,18 +188,16 @@ class ByteModel:
         _, _, kd, vd = self._h
         rows = sum(m if m > 0 else kd for m in self.ranks)
         maps = sum(self.ranks) * kd * 4  # shared by the batch: read once
-        extra = self.rotate() if self.family in ROTATED else 0
         per_seq = rows * vd * self.read_bytes + p * self.token() + self.token() + self.io()
-        return self.batch * per_seq + maps + extra
+        return self.batch * per_seq + maps
 
     def flush(self, n: int, sketch: bool) -> int:
         h, _, kd, vd = self._h
-        # rows refreshed: the whole read copy (replay); m rows per sketch head (the rotated read copy's
-        # prefix, or KDA's sketch) and the whole read copy of a dense head (sketch)
+        # rows refreshed: the whole read copy (replay); the sketch's m rows per sketch head and the
+        # whole read copy of a dense head (sketch)
         rows = h * kd if not sketch else sum(m if m > 0 else kd for m in self.ranks)
-        extra = self.rotate() if sketch and self.family in ROTATED else 0
         per_seq = 2 * self.state() + rows * vd * self.read_bytes + n * self.token() + self.io()
-        return self.batch * per_seq + extra
+        return self.batch * per_seq
 
     def window(self, window: int, sketch: bool) -> int:
         step = self.sketch_step if sketch else self.replay_step
@@ -373,7 +375,7 @@ def run_bench(
             vd,
             capacity=window,
             read_dtype=rd,
-            sketch_rows=tables.map_rows if family == "kda" else 0,
+            sketch_rows=tables.map_rows,
             device=dev,
         )
         pool.state.normal_(0.0, 0.3)
@@ -385,7 +387,6 @@ def run_bench(
     plist = [make_pool() for _ in range(pools)]
     xs = [random_inputs(family, batch, 1, h, g, kd, vd, device=dev) for _ in range(window)]
     outs = [torch.empty_like(xs[0].w) for _ in range(pools)]
-    scratch = (torch.empty_like(xs[0].k), torch.empty_like(xs[0].q))
     raw = _mamba_raw(xs, h, dev) if family == "mamba2" else {}
     timer = _Timer(cuda, replays)
     cfg = _configs(family, configs)
@@ -403,9 +404,7 @@ def run_bench(
             for t in range(window - 1):
                 for i, pool in enumerate(plist):
                     if sketch:
-                        decode.sketch_step(
-                            family, pool, tables, slots, pos[t], xs[t], outs[i], scratch=scratch, config=c
-                        )
+                        decode.sketch_step(family, pool, tables, slots, pos[t], xs[t], outs[i], config=c)
                     else:
                         decode.replay_step(family, pool, slots, pos[t], xs[t], outs[i], config=c)
 
@@ -422,7 +421,6 @@ def run_bench(
                     xs[window - 1],
                     outs[i],
                     tables=tables if sketch else None,
-                    scratch=scratch,
                     config=c,
                 )
 
@@ -448,8 +446,8 @@ def run_bench(
             ("flush_sketch", "flush", lambda c: flush_fn(True, c), pools),
         ):
             seen, trials = set(), []
-            for bv, nw in TUNE_CANDIDATES[kind]:
-                c = KernelConfig(min(bv, vd), nw)
+            for cand in TUNE_CANDIDATES[kind][family]:
+                c = KernelConfig(min(cand[0], vd), *cand[1:])
                 if c in seen:
                     continue
                 seen.add(c)
@@ -498,14 +496,6 @@ def run_bench(
         flush_us = timer(flush_fn(sketch, cfg[f"flush_{name}"]), pools)
         record(f"{name}_flush", flush_us, bm.flush(window - 1, sketch))
         record(f"{name}_window", timer(window_fn(sketch), pools), bm.window(window, sketch))
-    if family in ROTATED:
-
-        def rot() -> None:
-            for _ in range(pools):
-                decode.rotate_qk(xs[0], tables, scratch)
-
-        record("rotate", timer(rot, pools), bm.rotate())
-
     std_window = window * ops["standard"]["us"]
     result = dict(
         family=family,

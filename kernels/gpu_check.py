@@ -2,8 +2,11 @@
 
 Run from the repository root on a CUDA machine (no install needed)::
 
-    python kernels/gpu_check.py tests            # pytest -m gpu tests/kernels
-    python kernels/gpu_check.py bench [FAMILY…]  # batch 256 (tuned), then 64 and 512
+    python kernels/gpu_check.py tests [-k EXPR]   # pytest -m gpu tests/kernels
+    python kernels/gpu_check.py bench [FAMILY…]   # batch 256 (tuned), then 64 and 512
+    python kernels/gpu_check.py bench256 [FAMILY…] # batch 256 (tuned) only
+    python kernels/gpu_check.py warm FAMILY       # compile every tuning candidate (tiny batch)
+    python kernels/gpu_check.py oneshot [SECONDS] # one short device call: see :func:`oneshot`
 
 Logs and ``bench.json`` go to ``$OUT`` (default ``./gpu_out``). The public anchors are used when
 importable: fla 0.6.0 (``fla-core`` wheel) for GDN and KDA, ``mamba_ssm``'s
@@ -15,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 import time
 import traceback
@@ -47,16 +51,70 @@ def out_dir() -> Path:
     return out
 
 
-def run_tests() -> int:
+def run_tests(extra: list[str] | None = None) -> int:
+    """``pytest -m gpu tests/kernels`` plus ``extra`` arguments (e.g. ``-k EXPR``)."""
     import pytest
 
-    return pytest.main(
-        ["-q", "-m", "gpu", str(ROOT / "tests" / "kernels"), "--noconftest", "-p", "no:cacheprovider",
-         "-rf", "--junitxml", str(out_dir() / "gpu_tests.xml")]
-    )
+    args = ["-q", "-m", "gpu", str(ROOT / "tests" / "kernels"), "--noconftest", "-p", "no:cacheprovider"]
+    if extra:
+        args += ["-rA", *extra]
+    else:
+        args += ["-rf", "--junitxml", str(out_dir() / "gpu_tests.xml")]
+    return pytest.main(args)
 
 
-def run_benches(families: list[str]) -> None:
+def warm(family: str) -> None:
+    """Compile every tuning candidate of ``family`` (and the anchor) into Triton's on-disk cache
+    with a tiny batch, so that a later timed run spends no time compiling."""
+    from sketchcal.kernels.bench import run_bench
+
+    t0 = time.time()
+    run_bench(family, 8, pools=1, tune=True, replays=1)
+    print(f"warm {family}: {time.time() - t0:.0f}s", flush=True)
+
+
+def oneshot(budget_s: float = 110.0) -> None:
+    """Everything one short device call needs, ending inside ``budget_s`` seconds: in parallel,
+    the ``gpu`` tests of the window kernels (one process per family, ``tests_<family>.log``) and
+    a compile-only warm-up of every tuning candidate (one process per family, ``warm.log``),
+    stopped at half the budget; then, alone on the GPU, the tuned batch-256 benchmark of each
+    family (``bench.json``, ``summary.txt``)."""
+    start = time.time()
+    out = out_dir()
+    families = ["gdn", "kda", "mamba2"]
+    me = [sys.executable, str(Path(__file__).resolve())]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    procs, logs = [], []
+    for family in families:
+        for args, log_name in (
+            (["tests", "-k", f"{family} and not spec and not standard"], f"tests_{family}.log"),
+            (["warm", family], "warm.log"),
+        ):
+            log = open(out / log_name, "a")  # noqa: SIM115  (closed below)
+            logs.append(log)
+            procs.append(subprocess.Popen([*me, *args], stdout=log, stderr=subprocess.STDOUT, env=env))
+    deadline = start + 0.5 * budget_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            print(f"stage 1: stopped pid {proc.pid} ({' '.join(proc.args[2:])}) at the deadline", flush=True)
+        else:
+            print(f"stage 1: {' '.join(proc.args[2:])} exited {proc.returncode}", flush=True)
+    for log in logs:
+        log.close()
+    print(f"stage 1 (tests + compile) done at {time.time() - start:.0f}s", flush=True)
+    run_benches(families, batches=(), deadline=start + budget_s)
+    print(f"oneshot done at {time.time() - start:.0f}s", flush=True)
+
+
+def run_benches(
+    families: list[str], batches: tuple[int, ...] = (64, 512), deadline: float | None = None
+) -> None:
+    """Per family: batch 256 with launch-shape tuning, then ``batches`` with the tuned shapes.
+    A family not started 5 s before ``deadline`` (a ``time.time()`` value) is skipped."""
     import torch
     import triton
 
@@ -65,10 +123,12 @@ def run_benches(families: list[str]) -> None:
 
     out = out_dir()
     print(f"torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()}", flush=True)
-    results = []
-    summary = []
+    results: list[dict] = []
     for family in families:
         t0 = time.time()
+        if deadline is not None and t0 > deadline - 5:
+            print(f"{family}: skipped, too close to the deadline", flush=True)
+            continue
         try:
             r256 = run_bench(family, 256, tune=True)
             print_bench(r256)
@@ -76,7 +136,8 @@ def run_benches(families: list[str]) -> None:
             configs = {k: KernelConfig(**v) for k, v in r256["configs"].items()}
             print(f"{family}: tuned {r256['configs']} in {time.time() - t0:.0f}s; "
                   f"anchor diff {r256['anchor_rel_diff']} {r256['anchor_note']}", flush=True)
-            for batch in (64, 512):
+            print(f"{family}: tuning {json.dumps(r256['tuning'])}", flush=True)
+            for batch in batches:
                 r = run_bench(family, batch, configs=configs)
                 print_bench(r)
                 results.append(r)
@@ -84,18 +145,25 @@ def run_benches(families: list[str]) -> None:
             traceback.print_exc()
         with open(out / "bench.json", "w") as fh:
             json.dump(results, fh, indent=1, default=str)
+        _summary(results, out)
+
+
+def _summary(results: list[dict], out: Path) -> None:
+    """One line per result, printed and written to ``summary.txt``."""
+    lines = []
     for r in results:
         o, s = r["ops"], r["speedups"]
         anchor = f"{o['anchor']['us']:.1f}us" if "anchor" in o else "n/a"
-        summary.append(
+        lines.append(
             f"{r['family']:6s} B={r['batch']:3d} copy={r['copy_tbps']:.2f}TB/s "
             f"std={o['standard']['us']:.1f}us ({o['standard']['frac_copy']:.0%} of copy) anchor={anchor}"
             f" replay_win={s['replay_vs_standard']:.2f}x sketch_win={s['sketch_vs_standard']:.2f}x "
             f"sk/rep={s['sketch_vs_replay']:.2f}x "
             f"step(rep/sk)={o['replay_step']['us']:.1f}/{o['sketch_step']['us']:.1f}us "
-            f"flush(rep/sk)={o['replay_flush']['us']:.1f}/{o['sketch_flush']['us']:.1f}us"
+            f"flush(rep/sk)={o['replay_flush']['us']:.1f}/{o['sketch_flush']['us']:.1f}us "
+            f"win(rep/sk)={o['replay_window']['us']:.0f}/{o['sketch_window']['us']:.0f}us"
         )
-    text = "\n".join(summary)
+    text = "\n".join(lines)
     (out / "summary.txt").write_text(text + "\n")
     print(text, flush=True)
 
@@ -103,12 +171,19 @@ def run_benches(families: list[str]) -> None:
 def main(argv: list[str]) -> int:
     bootstrap()
     what = argv[0] if argv else "all"
+    families = argv[1:] or ["gdn", "kda", "mamba2"]
     if what in ("tests", "all"):
-        code = run_tests()
+        code = run_tests(argv[1:] if what == "tests" else None)
         if what == "tests":
             return int(code)
     if what in ("bench", "all"):
-        run_benches(argv[1:] or ["gdn", "kda", "mamba2"])
+        run_benches(families if what == "bench" else ["gdn", "kda", "mamba2"])
+    elif what == "bench256":
+        run_benches(families, batches=())
+    elif what == "warm":
+        warm(argv[1])
+    elif what == "oneshot":
+        oneshot(float(argv[1]) if len(argv) > 1 else 110.0)
     return 0
 
 

@@ -4,45 +4,57 @@ Serving API (per family, bound in ``kernels/<family>/decode.py``):
 
 - :func:`standard_step`  read the fp32 state, update it, write it (the baseline);
 - :func:`replay_step`    ReplaySSM non-flush step: read copy + buffer, no state write;
-- :func:`sketch_step`    SketchSSM non-flush step: sketch prefix (Mamba-2/GDN: the first m rows
-  of the rotated read copy; KDA: the sketch tensor) + buffer + coefficient map;
+- :func:`sketch_step`    SketchSSM non-flush step: the sketch rows ``R_{:m} S_c`` + buffer +
+  coefficient map (dense heads: the read copy);
 - :func:`flush`          fold the buffered window exactly into the fp32 checkpoint, refresh the
-  read copy rows (and the KDA sketch);
-- :func:`spec_verify`    T draft tokens from checkpoint + buffer, outputs only;
-- :func:`rotate_qk`      Mamba-2/GDN sketch mode: k, q into the sketch frame (R_g k).
+  read copy rows and the sketch;
+- :func:`spec_verify`    T draft tokens from checkpoint + buffer, outputs only.
 
 Pool and input layouts are documented in ``pool.py``. Every entry point takes ``slots`` [B]
 (int32, -1 = padding: that entry is skipped, its output row left as it was) and, for the window
 kernels, ``pos`` [B] int32: the number of tokens already buffered for that slot since its last
-flush. Nothing here synchronises with the host or allocates when ``out`` (and ``scratch`` for
-the rotation) are given, so each call can be captured in a CUDA graph; the engine keeps ``pos``
-(spec decoding: accepting k drafts advances it by k, rejected entries are overwritten later).
+flush. Nothing here synchronises with the host or allocates when ``out`` is given, so each call
+can be captured in a CUDA graph; the engine keeps ``pos`` (spec decoding: accepting k drafts
+advances it by k, rejected entries are overwritten later).
 
-Math per program (one slot, one head, one tile of BV value columns):
+Every family keeps its checkpoint in the model's own frame, so the state is the model's exact
+fp32 recurrence and no per-step rotation of k or q is needed. The sketch of a head of rank m is
+the separate tensor ``R_{:m} S_c`` (m × V), written by the flush with tensor-core dots; a sketch
+read is ``(R_{:m} S_c)ᵀ (P u)`` with the head's model-frame map P.
 
-- step:       S ← A S + k wᵀ, with A S = d⊙S + k(−β kᵀ(d⊙S))ᵀ for the delta rules;
-- read:       o_p = S_cᵀ u_p + Σ_j w_j (k_j · A_{j+1}ᵀ⋯A_pᵀ q_p) by one backward sweep over the
-  buffer (``recurrence.product_form_read``), which also yields u_p = M_pᵀ q_p; the checkpoint
-  term is the read copy (``replay``) or ``(sketch rows)ᵀ (P u)`` (``sketch``).
+Math per program (one slot, one head, one tile of BV value columns; n buffered tokens j < n,
+``G = K_b K_bᵀ`` the buffer's Gram matrix, ``g_j = α_{j+1}⋯α_{n−1}``):
+
+- step:  S ← A S + k wᵀ, with A S = d⊙S + k(−β kᵀ(d⊙S))ᵀ for the delta rules;
+- read:  o = S_cᵀ u + Σ_j c_j w_j, u = M_pᵀ q. The new tokens are swept one by one; the buffer
+  then in closed form. Mamba-2: c_j = g_j (k_j·q), u = g_{−1} q. GDN (Gram form): with
+  z = (I + U)⁻¹ (K_b q), U_{ji} = β_i G_{ji} (i > j) — a back-substitution on n scalars —
+  c_j = g_j z_j and u = g_{−1}(q − K_bᵀ(β⊙z)). KDA: the sequential sweep.
+- flush (chunked, tensor cores): Mamba-2 ``S ← g_{−1} S + K_bᵀ (g⊙W)``; GDN (UT form)
+  ``D = (I + L)⁻¹ (W − (β⊙γ) K_b S)``, ``L_{ji} = β_j (α_{i+1}⋯α_j) G_{ji}`` (j > i),
+  ``S ← γ_n S + K_bᵀ (g⊙D)`` with γ_j = α_0⋯α_j; KDA the same with per-channel decays
+  (:func:`_kda_chunk`), or token by token (``KernelConfig.chunked=False``). ``(I + L)⁻¹`` is
+  the product ``(I − L)(I + L²)(I + L⁴)(I + L⁸)`` (L is nilpotent). The new token of a flush
+  call is applied after the chunk, token by token.
+
+Precision: the checkpoint stays an fp32 recurrence. Every tensor-core product that feeds it is
+fp32-accurate: bf16 keys times an fp32 tile split into three bf16 terms (exact products, fp32
+accumulation), or 3xTF32; products of decays are running products, never ratios, so nothing
+overflows. Only the sketch of a bf16 read copy is written with one tf32 pass (its rounding is
+below the bf16 store's).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from sketchcal.kernels.common.pool import (
-    ROTATED,
-    DecodePool,
-    SketchTables,
-    check_family,
-    next_pow2,
-)
+from sketchcal.kernels.common.pool import DecodePool, SketchTables, check_family, next_pow2
 from sketchcal.kernels.common.recurrence import StepInputs
 
 FAMILY_ID = {"mamba2": 0, "gdn": 1, "kda": 2}
@@ -50,28 +62,34 @@ FAMILY_ID = {"mamba2": 0, "gdn": 1, "kda": 2}
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Launch shape: value columns per program and warps per program."""
+    """Launch shape: value columns per program and warps per program; ``chunked`` (KDA flush
+    only) picks the UT-form flush over the token-by-token one."""
 
     block_v: int
     num_warps: int
+    chunked: bool = True
 
 
-# Defaults by (kernel, family); ``block_v`` is clipped to V. The fastest of ``bench.TUNE_CANDIDATES`` on an
-# H200 at batch 256 (BENCHMARKS.md, "Decode kernels").
+# Defaults by (kernel, family); ``block_v`` is clipped to V. Standard: the fastest launch shape
+# on an H200 at batch 256 (BENCHMARKS.md, "Decode kernels"). Read and flush: first choices for
+# the Gram/chunked kernels (no spills in an offline sm_90 build), not yet timed on a device;
+# ``bench.run_bench(tune=True)`` picks among ``bench.TUNE_CANDIDATES``.
 DEFAULT_CONFIGS: dict[tuple[str, str], KernelConfig] = {
     ("standard", "mamba2"): KernelConfig(64, 4),
     ("standard", "gdn"): KernelConfig(64, 4),
     ("standard", "kda"): KernelConfig(64, 4),
-    ("read", "mamba2"): KernelConfig(64, 1),
-    ("read", "gdn"): KernelConfig(64, 1),
+    ("read", "mamba2"): KernelConfig(64, 2),
+    ("read", "gdn"): KernelConfig(64, 2),
     ("read", "kda"): KernelConfig(64, 1),
-    ("flush", "mamba2"): KernelConfig(32, 2),
-    ("flush", "gdn"): KernelConfig(16, 1),
-    ("flush", "kda"): KernelConfig(16, 1),
-    ("flush_sketch", "mamba2"): KernelConfig(32, 4),
-    ("flush_sketch", "gdn"): KernelConfig(16, 1),
+    ("flush", "mamba2"): KernelConfig(64, 4),
+    ("flush", "gdn"): KernelConfig(32, 4),
+    ("flush", "kda"): KernelConfig(32, 4),
+    ("flush_sketch", "mamba2"): KernelConfig(64, 4),
+    ("flush_sketch", "gdn"): KernelConfig(32, 4),
     ("flush_sketch", "kda"): KernelConfig(32, 4),
 }
+
+CHUNK_MIN = 16  # tl.dot needs at least 16 rows/columns: buffer tiles are padded to this
 
 
 def default_config(kernel: str, family: str) -> KernelConfig:
@@ -133,6 +151,60 @@ def _backward(v, kk, dd, bb, FAMILY: tl.constexpr):
 
 
 @triton.jit
+def _bdot(a, b, acc, EMULATE: tl.constexpr):
+    """``acc + a @ b`` for bf16 tiles with fp32 accumulation. ``EMULATE`` (the CPU interpreter,
+    whose bf16 dot is wrong) multiplies the same bf16 values as fp32."""
+    if EMULATE:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc)
+    return out
+
+
+@triton.jit
+def _dot32(a, b, A_BF16: tl.constexpr, EMULATE: tl.constexpr):
+    """``a @ b`` on tensor cores for an fp32 ``b``, accurate to ~fp32 rounding.
+
+    ``A_BF16``: ``a`` is a bf16 tile (exact); ``b`` is split into three bf16 terms
+    (8 + 8 + 8 significant bits), each multiplied exactly, with fp32 accumulation (1.5× the
+    tensor-core work of one tf32 pass). Otherwise the product is 3xTF32."""
+    if A_BF16:
+        b1 = b.to(tl.bfloat16)
+        rest = b - b1.to(tl.float32)
+        b2 = rest.to(tl.bfloat16)
+        b3 = (rest - b2.to(tl.float32)).to(tl.bfloat16)
+        out = _bdot(a, b3, tl.zeros((a.shape[0], b.shape[1]), dtype=tl.float32), EMULATE)
+        out = _bdot(a, b2, out, EMULATE)
+        out = _bdot(a, b1, out, EMULATE)
+    else:
+        out = tl.dot(a.to(tl.float32), b, input_precision="tf32x3")
+    return out
+
+
+@triton.jit
+def _gram(kb, A_BF16: tl.constexpr, EMULATE: tl.constexpr):
+    """``K_b K_bᵀ`` [BC, BC] of a [BC, K] key tile (exact products for bf16 keys)."""
+    if A_BF16:
+        gram = _bdot(kb, tl.trans(kb), tl.zeros((kb.shape[0], kb.shape[0]), dtype=tl.float32), EMULATE)
+    else:
+        k32 = kb.to(tl.float32)
+        gram = tl.dot(k32, tl.trans(k32), input_precision="tf32x3")
+    return gram
+
+
+@triton.jit
+def _unit_lower_inverse(low, o_c, LOG2_BC: tl.constexpr):
+    """``(I + L)⁻¹`` for a strictly lower-triangular [BC, BC] ``L`` (nilpotent, ``L^BC = 0``):
+    ``(I − L)(I + L²)(I + L⁴)⋯``, ``log2(BC) − 1`` squarings, 3xTF32 dots."""
+    inv = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0) - low
+    pw = low
+    for _ in tl.static_range(LOG2_BC - 1):
+        pw = tl.dot(pw, pw, input_precision="tf32x3")
+        inv = tl.dot(inv, pw, inv, input_precision="tf32x3")
+    return inv
+
+
+@triton.jit
 def _dense_read(v, rd_h, o_k, o_v, V: tl.constexpr):
     rc = tl.load(rd_h + o_k[:, None] * V + o_v[None, :]).to(tl.float32)
     return tl.sum(rc * v[:, None], axis=0)
@@ -141,23 +213,80 @@ def _dense_read(v, rd_h, o_k, o_v, V: tl.constexpr):
 @triton.jit
 def _checkpoint_read(
     v, rd_h, sk_h, ranks, maps, i_h, o_k, o_v,
-    K: tl.constexpr, V: tl.constexpr, M: tl.constexpr, BM: tl.constexpr, SKETCH: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, M: tl.constexpr, SKETCH: tl.constexpr,
 ):
-    """``S_cᵀ u`` from the read copy, or ``(sketch rows)ᵀ (P u)`` for a head of rank m > 0."""
+    """``S_cᵀ u`` from the read copy, or ``(R_{:m} S_c)ᵀ (P u)`` for a head of rank m > 0 (in
+    chunks of 8 map rows and sketch rows, so registers do not grow with the largest rank)."""
     if SKETCH:
         m = tl.load(ranks + i_h)
         if m > 0:
-            o_m = tl.arange(0, BM)
-            rows = o_m[:, None] < m
-            pm = tl.load(maps + (i_h * M + o_m[:, None]) * K + o_k[None, :], mask=rows, other=0.0)
-            coeff = tl.sum(pm.to(tl.float32) * v[None, :], axis=1)
-            st = tl.load(sk_h + o_m[:, None] * V + o_v[None, :], mask=rows, other=0.0).to(tl.float32)
-            o = tl.sum(st * coeff[:, None], axis=0)
+            o_r = tl.arange(0, 8)
+            o = tl.zeros(o_v.shape, dtype=tl.float32)
+            for r0 in range(0, m, 8):
+                rows = (r0 + o_r)[:, None] < m
+                pm = tl.load(maps + (i_h * M + r0 + o_r[:, None]) * K + o_k[None, :], mask=rows, other=0.0)
+                coeff = tl.sum(pm.to(tl.float32) * v[None, :], axis=1)
+                st = tl.load(sk_h + (r0 + o_r[:, None]) * V + o_v[None, :], mask=rows, other=0.0)
+                o += tl.sum(st.to(tl.float32) * coeff[:, None], axis=0)
         else:
             o = _dense_read(v, rd_h, o_k, o_v, V)
     else:
         o = _dense_read(v, rd_h, o_k, o_v, V)
     return o
+
+
+@triton.jit
+def _buffer_tiles(
+    buf_k, buf_w, buf_decay, hb, gb, n, o_c, o_k, o_v, K: tl.constexpr, V: tl.constexpr,
+):
+    """The first ``n`` buffered tokens of one head as tiles (rows ≥ n: identity tokens).
+
+    Returns ``kb`` [BC, K] (the buffer's dtype), ``wb`` [BC, BV] (fp32), ``al`` [BC] (decay, 1
+    past n), ``g`` [BC] with ``g_j = α_{j+1}⋯α_{n−1}`` (the decay from after token j to the end)
+    and the whole window's decay ``α_0⋯α_{n−1}``; Mamba-2 and GDN (scalar decays)."""
+    live = o_c[:, None] < n
+    kb = tl.load(buf_k + (gb + o_c[:, None]) * K + o_k[None, :], mask=live, other=0.0)
+    wb = tl.load(buf_w + (hb + o_c[:, None]) * V + o_v[None, :], mask=live, other=0.0).to(tl.float32)
+    al = tl.load(buf_decay + hb + o_c, mask=o_c < n, other=1.0).to(tl.float32)
+    al_next = tl.load(buf_decay + hb + o_c + 1, mask=o_c + 1 < n, other=1.0).to(tl.float32)
+    g = tl.cumprod(al_next, 0, reverse=True)
+    total = tl.sum(tl.where(o_c == 0, g * al, 0.0), axis=0)
+    return kb, wb, al, g, total
+
+
+@triton.jit
+def _kda_chunk(
+    S, buf_k, buf_w, buf_decay, buf_beta, hb, gb, n, o_c, o_k, o_v,
+    K: tl.constexpr, V: tl.constexpr, LOG2_BC: tl.constexpr,
+):
+    """KDA: the first ``n`` buffered tokens folded into a [K, BV] fp32 tile in UT form.
+
+    With ``B_j = α_0⋯α_j`` (per channel) and the decayed Gram ``H_{ji} = Σ_c k_j k_i α_{i+1}⋯α_j``
+    (j > i; built by a running product, never a ratio, so no decay can overflow):
+    ``D = (I + L)⁻¹ (W − β ⊙ (K_b ⊙ B) S)``, ``L = β ⊙ H`` (strictly lower), then
+    ``S ← B_{n−1} ⊙ S + (K_b ⊙ ρ)ᵀ D`` with ``ρ_i = α_{i+1}⋯α_{n−1}``."""
+    live = o_c[:, None] < n
+    kb = tl.load(buf_k + (gb + o_c[:, None]) * K + o_k[None, :], mask=live, other=0.0).to(tl.float32)
+    wb = tl.load(buf_w + (hb + o_c[:, None]) * V + o_v[None, :], mask=live, other=0.0).to(tl.float32)
+    al = tl.load(buf_decay + (hb + o_c[:, None]) * K + o_k[None, :], mask=live, other=1.0).to(tl.float32)
+    al_next = tl.load(
+        buf_decay + (hb + o_c[:, None] + 1) * K + o_k[None, :], mask=o_c[:, None] + 1 < n, other=1.0
+    ).to(tl.float32)
+    bt = tl.load(buf_beta + hb + o_c, mask=o_c < n, other=0.0).to(tl.float32)
+    rho = tl.cumprod(al_next, 0, reverse=True)
+    total = tl.sum(tl.where(o_c[:, None] == 0, rho * al, 0.0), axis=0)  # B_{n−1} [K]
+    # H by a running product: row i of dec holds k_i ⊙ α_{i+1}⋯α_j after token j's decay
+    dec = tl.zeros_like(kb)
+    h_t = tl.zeros((kb.shape[0], kb.shape[0]), dtype=tl.float32)  # h_t[i, j] = H_{ji}
+    for j in range(0, n):
+        k_j = tl.load(buf_k + (gb + j) * K + o_k).to(tl.float32)
+        dec = dec * tl.load(buf_decay + (hb + j) * K + o_k).to(tl.float32)[None, :]
+        h_t = tl.where(o_c[None, :] == j, tl.sum(dec * k_j[None, :], axis=1)[:, None], h_t)
+        dec = tl.where(o_c[:, None] == j, k_j[None, :], dec)
+    low = tl.where(o_c[:, None] > o_c[None, :], bt[:, None] * tl.trans(h_t), 0.0)
+    rhs = wb - bt[:, None] * tl.dot(kb * tl.cumprod(al, 0), S, input_precision="tf32x3")
+    d = tl.dot(_unit_lower_inverse(low, o_c, LOG2_BC), rhs, input_precision="tf32x3")
+    return S * total[:, None] + tl.dot(tl.trans(kb * rho), d, input_precision="tf32x3")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -204,8 +333,9 @@ def _read_kernel(
     buf_k, buf_w, buf_decay, buf_beta,
     rd, sk, ranks, maps, sk_head_stride,
     T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BV: tl.constexpr, C: tl.constexpr, M: tl.constexpr, BM: tl.constexpr,
-    FAMILY: tl.constexpr, SKETCH: tl.constexpr, HAS_SKIP: tl.constexpr,
+    BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, M: tl.constexpr,
+    FAMILY: tl.constexpr, SKETCH: tl.constexpr, HAS_SKIP: tl.constexpr, K_BF16: tl.constexpr,
+    EMULATE: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -245,11 +375,20 @@ def _read_kernel(
                 tl.store(buf_k + (gb + jw) * K + o_k, k_new.to(buf_k.dtype.element_ty), mask=mk)
     rd_h = rd + (s * H + i_h) * (K * V)
     sk_h = sk + (s * H + i_h) * sk_head_stride
+    o_c = tl.arange(0, BC)
+    if FAMILY != 2:
+        # the buffered tokens j < p, loaded once as tiles; everything but K_b q is shared by the
+        # T reads of this call
+        kb, wb, _al, g, total = _buffer_tiles(buf_k, buf_w, buf_decay, hb, gb, p, o_c, o_k, o_v, K, V)
+        if FAMILY == 1:
+            bt = tl.load(buf_beta + hb + o_c, mask=o_c < p, other=0.0).to(tl.float32)
+            # U_{ji} = β_i G_{ji} for i > j: the back-substitution z = (I + U)⁻¹ K_b q
+            upper = tl.where(o_c[None, :] > o_c[:, None], _gram(kb, K_BF16, EMULATE) * bt[None, :], 0.0)
     for t in tl.static_range(T):
         x_t = i_b * T + t
         v = tl.load(q + (x_t * G + i_g) * K + o_k).to(tl.float32)
         acc = tl.zeros([BV], dtype=tl.float32)
-        # backward sweep: the new tokens t..0, then the buffered ones p-1..0
+        # the new tokens t..0, one by one
         for i in tl.static_range(T):
             d = T - 1 - i
             if d <= t:
@@ -260,15 +399,28 @@ def _read_kernel(
                 )
                 kv, v = _backward(v, kk, dd, bb, FAMILY)
                 acc += kv * ww
-        for i in tl.static_range(C):
-            j = C - 1 - i
-            kk, ww, dd, bb = _load_token(
-                buf_k, buf_w, buf_decay, buf_beta, (gb + j) * K, (hb + j) * V, hb + j,
-                o_k, o_v, j < p, K, V, FAMILY,
-            )
-            kv, v = _backward(v, kk, dd, bb, FAMILY)
-            acc += kv * ww
-        o = acc + _checkpoint_read(v, rd_h, sk_h, ranks, maps, i_h, o_k, o_v, K, V, M, BM, SKETCH)
+        if FAMILY == 2:
+            # KDA: the buffered tokens p-1..0, one by one
+            for i in tl.static_range(C):
+                j = C - 1 - i
+                kk, ww, dd, bb = _load_token(
+                    buf_k, buf_w, buf_decay, buf_beta, (gb + j) * K, (hb + j) * V, hb + j,
+                    o_k, o_v, j < p, K, V, FAMILY,
+                )
+                kv, v = _backward(v, kk, dd, bb, FAMILY)
+                acc += kv * ww
+        else:
+            z = tl.sum(kb.to(tl.float32) * v[None, :], axis=1)  # K_b q
+            if FAMILY == 1:
+                for i in range(0, p):
+                    j = p - 1 - i
+                    z_j = tl.sum(tl.where(o_c == j, z, 0.0), axis=0)
+                    col = tl.sum(tl.where(o_c[None, :] == j, upper, 0.0), axis=1)
+                    z = z - col * z_j  # rows < j only: z_j itself is final
+                v = v - tl.sum((bt * z)[:, None] * kb.to(tl.float32), axis=0)
+            acc += tl.sum((g * z)[:, None] * wb, axis=0)
+            v = v * total
+        o = acc + _checkpoint_read(v, rd_h, sk_h, ranks, maps, i_h, o_k, o_v, K, V, M, SKETCH)
         if HAS_SKIP:
             o += tl.load(skip + (x_t * H + i_h) * V + o_v).to(tl.float32)
         tl.store(out + (x_t * H + i_h) * V + o_v, o.to(out.dtype.element_ty))
@@ -280,8 +432,10 @@ def _flush_kernel(
     buf_k, buf_w, buf_decay, buf_beta,
     rd, read_rows, sk, ranks, frames, sk_head_stride,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-    C: tl.constexpr, BM: tl.constexpr, FAMILY: tl.constexpr, HAS_X: tl.constexpr, HAS_SKIP: tl.constexpr,
-    HAS_READ: tl.constexpr, ROWS: tl.constexpr, SKETCH_OUT: tl.constexpr,
+    C: tl.constexpr, BC: tl.constexpr, LOG2_BC: tl.constexpr, FAMILY: tl.constexpr,
+    HAS_X: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_READ: tl.constexpr, ROWS: tl.constexpr,
+    SKETCH_OUT: tl.constexpr, K_BF16: tl.constexpr, SKETCH_PREC: tl.constexpr, EMULATE: tl.constexpr,
+    CHUNKED: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -298,12 +452,29 @@ def _flush_kernel(
     gb = (s * G + i_g) * C
     p_s = state + (s * H + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :]
     S = tl.load(p_s, eviction_policy="evict_first")
-    for j in tl.static_range(C):
-        kk, ww, dd, bb = _load_token(
-            buf_k, buf_w, buf_decay, buf_beta, (gb + j) * K, (hb + j) * V, hb + j,
-            o_k, o_v, j < n, K, V, FAMILY,
-        )
-        S = _forward(S, kk, ww, dd, bb, FAMILY)
+    o_c = tl.arange(0, BC)
+    if FAMILY == 2:
+        if CHUNKED:
+            S = _kda_chunk(S, buf_k, buf_w, buf_decay, buf_beta, hb, gb, n, o_c, o_k, o_v, K, V, LOG2_BC)
+        else:
+            for j in tl.static_range(C):
+                kk, ww, dd, bb = _load_token(
+                    buf_k, buf_w, buf_decay, buf_beta, (gb + j) * K, (hb + j) * V, hb + j,
+                    o_k, o_v, j < n, K, V, FAMILY,
+                )
+                S = _forward(S, kk, ww, dd, bb, FAMILY)
+    else:
+        kb, wb, al, g, total = _buffer_tiles(buf_k, buf_w, buf_decay, hb, gb, n, o_c, o_k, o_v, K, V)
+        if FAMILY == 1:
+            bt = tl.load(buf_beta + hb + o_c, mask=o_c < n, other=0.0).to(tl.float32)
+            lower_mask = o_c[:, None] > o_c[None, :]
+            # α_{i+1}⋯α_j at [j, i] (j > i): a running product down the rows
+            ratio = tl.cumprod(tl.where(lower_mask, al[:, None], 1.0), 0)
+            low = tl.where(lower_mask, (bt[:, None] * ratio) * _gram(kb, K_BF16, EMULATE), 0.0)
+            gam = tl.cumprod(al, 0)  # α_0⋯α_j
+            rhs = wb - (bt * gam)[:, None] * _dot32(kb, S, K_BF16, EMULATE)
+            wb = tl.dot(_unit_lower_inverse(low, o_c, LOG2_BC), rhs, input_precision="tf32x3")  # D
+        S = S * total + _dot32(tl.trans(kb), wb * g[:, None], K_BF16, EMULATE)
     if HAS_X:
         kk, ww, dd, bb = _load_token(
             k, w, decay, beta, (i_b * G + i_g) * K, (i_b * H + i_h) * V, i_b * H + i_h,
@@ -324,30 +495,15 @@ def _flush_kernel(
         else:
             tl.store(p_r, S.to(rd.dtype.element_ty))
     if SKETCH_OUT:
+        # R_{:m} S in chunks of 16 rows (tensor-core dots)
         m = tl.load(ranks + i_h)
-        if m > 0:
-            o_m = tl.arange(0, BM)
-            rows = o_m[:, None] < m
-            rm = tl.load(frames + (i_g * K + o_m[:, None]) * K + o_k[None, :], mask=rows, other=0.0)
-            sk_t = tl.dot(rm, S, input_precision="ieee")
-            p_sk = sk + (s * H + i_h) * sk_head_stride + o_m[:, None] * V + o_v[None, :]
+        o_r = tl.arange(0, 16)
+        for r0 in range(0, m, 16):
+            rows = (r0 + o_r)[:, None] < m
+            rm = tl.load(frames + (i_g * K + r0 + o_r[:, None]) * K + o_k[None, :], mask=rows, other=0.0)
+            sk_t = tl.dot(rm, S, input_precision=SKETCH_PREC)
+            p_sk = sk + (s * H + i_h) * sk_head_stride + (r0 + o_r[:, None]) * V + o_v[None, :]
             tl.store(p_sk, sk_t.to(sk.dtype.element_ty), mask=rows)
-
-
-@triton.jit
-def _rotate_kernel(k, q, frames, k_out, q_out, n_rows, G: tl.constexpr, K: tl.constexpr, BR: tl.constexpr):
-    """``x ← R_g x`` for the k and q rows of one group; grid (cdiv(B·T, BR), G)."""
-    i_r = tl.program_id(0)
-    i_g = tl.program_id(1)
-    o_r = i_r * BR + tl.arange(0, BR)
-    o_k = tl.arange(0, K)
-    rmask = o_r[:, None] < n_rows
-    r_t = tl.trans(tl.load(frames + i_g * (K * K) + o_k[:, None] * K + o_k[None, :]))  # coalesced, then Rᵀ
-    off = (o_r[:, None] * G + i_g) * K + o_k[None, :]
-    xk = tl.load(k + off, mask=rmask, other=0.0).to(tl.float32)
-    tl.store(k_out + off, tl.dot(xk, r_t, input_precision="ieee").to(k_out.dtype.element_ty), mask=rmask)
-    xq = tl.load(q + off, mask=rmask, other=0.0).to(tl.float32)
-    tl.store(q_out + off, tl.dot(xq, r_t, input_precision="ieee").to(q_out.dtype.element_ty), mask=rmask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -401,6 +557,28 @@ def _beta(x: StepInputs) -> Tensor:
     return x.beta if x.beta is not None else x.decay  # never read for Mamba-2
 
 
+def _window_pool(pool: DecodePool, sketch: bool) -> tuple[int, int]:
+    """Checks a window pool for the read and flush kernels; returns (K, V)."""
+    if pool.buf_w is None:
+        raise ValueError("a window pool (capacity > 0) is needed")
+    if sketch and pool.sketch is None:
+        raise ValueError("sketch mode needs a pool with a sketch tensor (allocate_pool(sketch_rows=M))")
+    kd, vd = pool.state.shape[2:]
+    if kd < CHUNK_MIN or vd < CHUNK_MIN:
+        raise ValueError(f"the window kernels need K, V ≥ {CHUNK_MIN} (tensor-core tiles); K={kd}, V={vd}")
+    return kd, vd
+
+
+def _buffer_block(capacity: int) -> int:
+    """Rows of the buffer tiles: the capacity padded to a power of two ≥ 16."""
+    return max(CHUNK_MIN, next_pow2(capacity))
+
+
+def _keys_bf16(pool: DecodePool) -> bool:
+    """bf16 buffered keys enter tensor-core dots as they are (exact); others as 3xTF32."""
+    return pool.buf_k.dtype == torch.bfloat16
+
+
 def standard_step(
     family: str,
     state: Tensor | DecodePool,
@@ -426,30 +604,6 @@ def standard_step(
     return out
 
 
-def rotate_qk(
-    x: StepInputs, tables: SketchTables, scratch: tuple[Tensor, Tensor] | None = None
-) -> StepInputs:
-    """Mamba-2/GDN sketch mode: the inputs with ``k, q`` replaced by ``R_g k, R_g q`` written into
-    ``scratch`` = (k_out, q_out) (allocated when None). Other fields are shared, not copied."""
-    b, t, g, kd = x.k.shape
-    if scratch is None:
-        scratch = (torch.empty_like(x.k), torch.empty_like(x.q))
-    k_out, q_out = scratch
-    if k_out.shape != x.k.shape or q_out.shape != x.q.shape:
-        raise ValueError("scratch must match the shapes of k and q")
-    br = 16
-    _rotate_kernel[(triton.cdiv(b * t, br), g)](
-        x.k, x.q, tables.frames, k_out, q_out, b * t, G=g, K=kd, BR=br, num_warps=4
-    )
-    return replace(x, k=k_out, q=q_out)
-
-
-def _sketch_frame(family: str, x: StepInputs, tables: SketchTables | None, scratch) -> StepInputs:
-    if tables is None or family not in ROTATED:
-        return x
-    return rotate_qk(x, tables, scratch)
-
-
 def spec_verify(
     family: str,
     pool: DecodePool,
@@ -459,36 +613,32 @@ def spec_verify(
     out: Tensor | None = None,
     *,
     tables: SketchTables | None = None,
-    scratch: tuple[Tensor, Tensor] | None = None,
     config: KernelConfig | None = None,
 ) -> Tensor:
     """Outputs of T tokens following the ``pos[b]`` buffered ones, read from the checkpoint's read
     copy (``tables`` None: replay) or its sketch, plus the buffer; no state is materialised or
     written. The T tokens are appended to the buffer at ``pos[b]`` (entries past the capacity are
-    dropped: keep ``pos + T ≤ C``). With ``tables`` for Mamba-2/GDN, ``x`` is in the model frame
-    and is rotated first (into ``scratch``). Returns ``out`` [B, T, H, V]."""
+    dropped: keep ``pos + T ≤ C``). Returns ``out`` [B, T, H, V]."""
     heads = pool.heads
     b, t, g, kd, vd, h = _dims(family, x, heads)
-    if pool.read is None or pool.buf_w is None:
-        raise ValueError("a window pool (capacity > 0, with a read copy) is needed")
-    x = _sketch_frame(family, x, tables, scratch)
+    sketch = tables is not None
+    _window_pool(pool, sketch)
+    if pool.read is None:
+        raise ValueError("a window pool with a read copy is needed")
     cfg = config or default_config("read", family)
     bv = _block_v(cfg, vd)
     out = _out(out, x, h, t)
-    sketch = tables is not None
-    if sketch and not tables.rotated and pool.sketch is None:
-        raise ValueError("KDA sketch mode needs a pool with a sketch tensor (allocate_pool(sketch_rows=M))")
-    sk = pool.read if not sketch or tables.rotated else pool.sketch
-    sk_head_stride = sk.shape[2] * sk.shape[3]
+    sk = pool.sketch if sketch else pool.read
     m_rows = tables.map_rows if sketch else 1
     _read_kernel[(vd // bv, h, b)](
         slots, pos, x.q, x.k, x.w, x.decay, _beta(x), x.skip if x.skip is not None else x.w, out,
         pool.buf_k, pool.buf_w, pool.buf_decay,
         pool.buf_beta if pool.buf_beta is not None else pool.buf_decay,
         pool.read, sk, tables.ranks if sketch else slots, tables.maps if sketch else pool.buf_decay,
-        sk_head_stride,
-        T=t, H=h, G=g, K=kd, V=vd, BV=bv, C=pool.capacity, M=m_rows, BM=next_pow2(m_rows),
-        FAMILY=FAMILY_ID[family], SKETCH=sketch, HAS_SKIP=x.skip is not None,
+        sk.shape[2] * sk.shape[3],
+        T=t, H=h, G=g, K=kd, V=vd, BV=bv, C=pool.capacity, BC=_buffer_block(pool.capacity),
+        M=m_rows, FAMILY=FAMILY_ID[family], SKETCH=sketch,
+        HAS_SKIP=x.skip is not None, K_BF16=_keys_bf16(pool), EMULATE=_interpreting(),
         num_warps=cfg.num_warps,
     )
     return out
@@ -517,12 +667,11 @@ def sketch_step(
     x: StepInputs,
     out: Tensor | None = None,
     *,
-    scratch: tuple[Tensor, Tensor] | None = None,
     config: KernelConfig | None = None,
 ) -> Tensor:
-    """SketchSSM non-flush step (T = 1): sketch prefix (or KDA sketch) + buffer + coefficient map;
-    dense (rank-0) heads read the full read copy."""
-    return spec_verify(family, pool, slots, pos, x, out, tables=tables, scratch=scratch, config=config)
+    """SketchSSM non-flush step (T = 1): sketch rows + buffer + coefficient map; dense (rank-0)
+    heads read the full read copy."""
+    return spec_verify(family, pool, slots, pos, x, out, tables=tables, config=config)
 
 
 def flush(
@@ -534,46 +683,43 @@ def flush(
     out: Tensor | None = None,
     *,
     tables: SketchTables | None = None,
-    scratch: tuple[Tensor, Tensor] | None = None,
     config: KernelConfig | None = None,
 ) -> Tensor | None:
     """Fold the ``pos[b]`` buffered tokens, then ``x``'s single token if given (its output is
     returned), exactly into the fp32 checkpoint ``pool.state``; refresh the read copy: every row
-    (``tables`` None, replay mode) or ``tables.read_rows`` per head (sketch mode), and for KDA
-    the sketch ``R_{:m} S_c`` of each head of rank m > 0. The caller then resets ``pos`` to 0."""
+    (``tables`` None, replay mode) or ``tables.read_rows`` per head (sketch mode: the dense
+    heads), and in sketch mode the sketch ``R_{:m} S_c`` of each head of rank m > 0. The caller
+    then resets ``pos`` to 0."""
     heads = pool.heads
-    if pool.buf_w is None:
-        raise ValueError("a window pool (capacity > 0) is needed")
-    kd, vd = pool.state.shape[2:]
+    sketch = tables is not None
+    kd, vd = _window_pool(pool, sketch)
     g = pool.buf_k.shape[1]
     if x is not None:
         b, t, g, kd, vd, _ = _dims(family, x, heads)
         if t != 1:
             raise ValueError("flush takes at most one new token")
-        x = _sketch_frame(family, x, tables, scratch)
         out = _out(out, x, heads, 1)
     else:
         b = slots.shape[0]
-    cfg = config or default_config("flush" if tables is None else "flush_sketch", family)
-    bv = _block_v(cfg, vd)
-    sketch_out = tables is not None and not tables.rotated and pool.sketch is not None
-    if sketch_out:
-        bv = max(bv, 16)  # tl.dot needs 16 columns
-    m_rows = tables.map_rows if tables is not None else 1
-    sk = pool.sketch if sketch_out else pool.state
+    cfg = config or default_config("flush_sketch" if sketch else "flush", family)
+    bv = max(_block_v(cfg, vd), CHUNK_MIN)  # tl.dot needs 16 columns
+    sk = pool.sketch if sketch else pool.state
+    # a low-precision sketch is rounded to ≤ 8 mantissa bits anyway: one tf32 pass is enough
+    sketch_prec = "tf32x3" if sk.dtype == torch.float32 else "tf32"
     xs = x if x is not None else StepInputs(pool.buf_k, pool.buf_k, pool.buf_w, pool.buf_decay, pool.buf_beta)
     dummy = pool.buf_decay
+    bc = _buffer_block(pool.capacity)
     _flush_kernel[(vd // bv, heads, b)](
         pool.state, slots, pos, xs.q, xs.k, xs.w, xs.decay, _beta(xs),
         xs.skip if xs.skip is not None else xs.w, out if out is not None else dummy,
         pool.buf_k, pool.buf_w, pool.buf_decay, pool.buf_beta if pool.buf_beta is not None else dummy,
         pool.read if pool.read is not None else pool.state,
-        tables.read_rows if tables is not None else slots,
-        sk, tables.ranks if tables is not None else slots, tables.frames if tables is not None else dummy,
+        tables.read_rows if sketch else slots,
+        sk, tables.ranks if sketch else slots, tables.frames if sketch else dummy,
         sk.shape[2] * sk.shape[3],
-        H=heads, G=g, K=kd, V=vd, BV=bv, C=pool.capacity, BM=max(16, next_pow2(m_rows)),
+        H=heads, G=g, K=kd, V=vd, BV=bv, C=pool.capacity, BC=bc, LOG2_BC=bc.bit_length() - 1,
         FAMILY=FAMILY_ID[family], HAS_X=x is not None, HAS_SKIP=x is not None and x.skip is not None,
-        HAS_READ=pool.read is not None, ROWS=tables is not None, SKETCH_OUT=sketch_out,
-        num_warps=cfg.num_warps,
+        HAS_READ=pool.read is not None, ROWS=sketch, SKETCH_OUT=sketch, K_BF16=_keys_bf16(pool),
+        SKETCH_PREC=sketch_prec, EMULATE=_interpreting(), CHUNKED=cfg.chunked, num_warps=cfg.num_warps,
     )
     return out

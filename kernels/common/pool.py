@@ -32,8 +32,6 @@ from torch import Tensor
 from sketchcal.kernels.common.recurrence import StepInputs
 
 FAMILIES = ("mamba2", "gdn", "kda")
-# families whose recurrence runs in the sketch frame (R commutes with a scalar decay)
-ROTATED = frozenset({"mamba2", "gdn"})
 SUPPORTED_RANKS = (0, 4, 8, 12, 16, 24, 32, 48, 64)
 
 
@@ -53,9 +51,10 @@ class DecodePool:
 
         state      [N, H, K, V] fp32
         read       [N, H, K, V] read copy of the checkpoint (bf16, or fp32 for exact replay);
-                   in sketch mode only the first ``read_rows[h]`` rows of each head are kept fresh
-        sketch     [N, H, M, V] KDA only: R_{:m} S_c per head (rows ≥ m unused)
-        buf_k      [N, G, C, K] buffered keys (in the sketch frame for Mamba-2/GDN in sketch mode)
+                   in sketch mode only the dense heads' rows (``read_rows[h]``) are kept fresh
+        sketch     [N, H, M, V] sketch mode: R_{:m} S_c per head of rank m (rows ≥ m unused),
+                   in the read copy's dtype; every family keeps S_c in the model frame
+        buf_k      [N, G, C, K] buffered keys
         buf_w      [N, H, C, V]
         buf_decay  [N, H, C] fp32, or [N, H, C, K] for KDA
         buf_beta   [N, H, C] fp32 (delta rules), else None
@@ -103,7 +102,8 @@ def allocate_pool(
     device: torch.device | str = "cpu",
 ) -> DecodePool:
     """Zero-initialised pool. ``capacity`` = 0 gives a standard-mode pool (state only);
-    ``read_dtype`` None skips the read copy; ``sketch_rows`` > 0 (KDA) adds the sketch tensor."""
+    ``read_dtype`` None skips the read copy; ``sketch_rows`` > 0 adds the sketch tensor
+    (sketch mode; M = ``SketchTables.map_rows``)."""
     check_family(family)
     if heads % groups:
         raise ValueError(f"heads ({heads}) must be a multiple of groups ({groups})")
@@ -121,7 +121,7 @@ def allocate_pool(
         pool.buf_decay = torch.ones(dshape, dtype=torch.float32, **z)
         if family != "mamba2":
             pool.buf_beta = torch.zeros(slots, heads, capacity, dtype=torch.float32, **z)
-    if sketch_rows > 0 and family == "kda":
+    if sketch_rows > 0:
         sk_dtype = read_dtype or torch.bfloat16
         pool.sketch = torch.zeros(slots, heads, sketch_rows, value_dim, dtype=sk_dtype, **z)
     return pool
@@ -132,11 +132,12 @@ class SketchTables:
     """One layer's sketch, in the layouts the kernels read.
 
         ranks      [H] int32, m per head (0 = dense: read the full read copy)
-        maps       [H, M, K] fp32 coefficient maps in the *kernel frame*: P Rᵀ for Mamba-2/GDN
-                   (whose inputs and states live in the rotated frame), P for KDA; rows ≥ m zero
-        frames     [G, K, K] fp32 orthogonal frames R (row i = i-th basis direction)
+        maps       [H, M, K] fp32 coefficient maps P (model frame: they act on the effective
+                   query u of the model's own recurrence); rows ≥ m zero
+        frames     [G, K, K] fp32 orthogonal frames R (row i = i-th basis direction); the flush
+                   writes the sketch R_{:m} S_c of each head of rank m
         read_rows  [H] int32, rows of the read copy a sketch-mode flush refreshes
-                   (m, or K for a dense head; 0 for KDA sketch heads, whose sketch is separate)
+                   (K for a dense head, 0 for a sketch head, whose sketch is separate)
     """
 
     family: str
@@ -144,10 +145,6 @@ class SketchTables:
     maps: Tensor
     frames: Tensor
     read_rows: Tensor
-
-    @property
-    def rotated(self) -> bool:
-        return self.family in ROTATED
 
     @property
     def map_rows(self) -> int:
@@ -173,9 +170,8 @@ def sketch_tables(family: str, frames: Tensor, maps: Tensor | list[Tensor], rank
     """Convert an artifact's per-layer sketch into :class:`SketchTables`.
 
     ``frames`` [G, K, K] (R per group); ``maps`` either a list of per-head [m_h, K] tensors or a
-    padded [H, M, K] tensor, each P mapping an original-frame effective query u to sketch
-    coordinates; ``ranks`` [H] (0 = dense). For Mamba-2/GDN the maps are moved into the rotated
-    frame (P Rᵀ), which the kernels see; the product is taken in float64.
+    padded [H, M, K] tensor, each P mapping a model-frame effective query u to sketch
+    coordinates; ``ranks`` [H] (0 = dense).
     """
     check_family(family)
     ranks_t = torch.as_tensor(ranks, dtype=torch.int64).cpu()
@@ -188,7 +184,6 @@ def sketch_tables(family: str, frames: Tensor, maps: Tensor | list[Tensor], rank
             raise ValueError(f"rank {r} is not supported for K={k}; use one of {SUPPORTED_RANKS} below K")
     m_rows = max(1, int(ranks_t.max()))
     out = torch.zeros(h, m_rows, k, dtype=torch.float64, device=frames.device)
-    f64 = frames.to(torch.float64)
     for head in range(h):
         m = int(ranks_t[head])
         if m == 0:
@@ -196,12 +191,9 @@ def sketch_tables(family: str, frames: Tensor, maps: Tensor | list[Tensor], rank
         p = (maps[head] if isinstance(maps, list) else maps[head, :m]).to(torch.float64)
         if p.shape != (m, k):
             raise ValueError(f"head {head}: map must be [{m}, {k}], got {tuple(p.shape)}")
-        out[head, :m] = p @ f64[head // (h // g)].T if family in ROTATED else p
+        out[head, :m] = p
     dense = ranks_t == 0
-    if family in ROTATED:
-        rows = torch.where(dense, torch.full_like(ranks_t, k), ranks_t)
-    else:
-        rows = torch.where(dense, torch.full_like(ranks_t, k), torch.zeros_like(ranks_t))
+    rows = torch.where(dense, torch.full_like(ranks_t, k), torch.zeros_like(ranks_t))
     dev = frames.device
     return SketchTables(
         family,

@@ -106,7 +106,7 @@ def _sketch_term(tables: SketchTables, pool: DecodePool, s: int, u: Tensor) -> T
         if m == 0:
             o[:, h] = u[:, h] @ pool.read[s, h].to(F64)
             continue
-        src = pool.read[s, h, :m] if tables.rotated else pool.sketch[s, h, :m]
+        src = pool.sketch[s, h, :m]
         coeff = u[:, h] @ tables.maps[h, :m].to(F64).T  # [P, m]
         o[:, h] = coeff @ src.to(F64)
     return o
@@ -148,7 +148,7 @@ def replay_step(family: str, pool: DecodePool, slots: Tensor, pos: Tensor, x: St
 def sketch_step(
     family: str, pool: DecodePool, tables: SketchTables, slots: Tensor, pos: Tensor, x: StepInputs
 ) -> Tensor:
-    """Non-flush SketchSSM step: sketch prefix (or the sketch tensor, KDA) + buffer."""
+    """Non-flush SketchSSM step: sketch rows R_{:m} S_c + buffer (dense heads: the read copy)."""
     return spec_verify(family, pool, slots, pos, x, tables)
 
 
@@ -162,7 +162,7 @@ def flush(
 ) -> Tensor | None:
     """Fold the ``pos[b]`` buffered tokens (then ``x``'s one token, if given, whose output is
     returned) exactly into the fp32 checkpoint; refresh the read copy (all rows, or
-    ``tables.read_rows``) and, for KDA with ``tables``, the sketch R_{:m} S_c."""
+    ``tables.read_rows``) and, with ``tables``, the sketch R_{:m} S_c of every head of rank m."""
     fam = _family(family)
     out = None if x is None else _outputs(x, pool.heads)
     for b, (s, n) in enumerate(zip(slots.tolist(), pos.tolist(), strict=True)):
@@ -177,17 +177,11 @@ def flush(
             rows = [pool.state.shape[2]] * pool.heads if tables is None else tables.read_rows.tolist()
             for h, r in enumerate(rows):
                 pool.read[s, h, :r] = st[h, :r].to(pool.read.dtype)
-        if tables is not None and not tables.rotated and pool.sketch is not None:
+        if tables is not None and pool.sketch is not None:
+            per_group = pool.heads // tables.frames.shape[0]
             for h, m in enumerate(tables.ranks.tolist()):
                 if m > 0:
-                    pool.sketch[s, h, :m] = (tables.frames[h, :m].to(F64) @ st[h]).to(pool.sketch.dtype)
+                    frame = tables.frames[h // per_group, :m].to(F64)
+                    pool.sketch[s, h, :m] = (frame @ st[h]).to(pool.sketch.dtype)
     return out
 
-
-def rotate(x: StepInputs, frames: Tensor) -> StepInputs:
-    """k and q moved into the sketch frame: ``R_g k`` per group (float64 product, input dtype)."""
-    out = x.map(lambda t: t)
-    f = frames.to(F64)
-    out.k = torch.einsum("gjk,btgk->btgj", f, x.k.to(F64)).to(x.k.dtype)
-    out.q = torch.einsum("gjk,btgk->btgj", f, x.q.to(F64)).to(x.q.dtype)
-    return out

@@ -2,7 +2,7 @@
 
 Layouts (``common/pool.py``): state [N, H, K, V] fp32, read copy [N, H, K, V] bf16, buffer
 [N, G or H, C, ...]; inputs k, q [B, T, G, K], w [B, T, H, V], decay [B, T, H], beta [B, T, H];
-slots, pos [B] int32. In sketch mode the sketch is a prefix of the rotated read copy.
+slots, pos [B] int32. In sketch mode a flush writes the sketch R_{:m} S_c [N, H, M, V].
 """
 
 from functools import partial
@@ -16,6 +16,5 @@ replay_step = partial(_decode.replay_step, FAMILY)
 sketch_step = partial(_decode.sketch_step, FAMILY)
 flush = partial(_decode.flush, FAMILY)
 spec_verify = partial(_decode.spec_verify, FAMILY)
-rotate_qk = _decode.rotate_qk
 
-__all__ = ["FAMILY", "flush", "replay_step", "rotate_qk", "sketch_step", "spec_verify", "standard_step"]
+__all__ = ["FAMILY", "flush", "replay_step", "sketch_step", "spec_verify", "standard_step"]

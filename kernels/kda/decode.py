@@ -16,6 +16,5 @@ replay_step = partial(_decode.replay_step, FAMILY)
 sketch_step = partial(_decode.sketch_step, FAMILY)
 flush = partial(_decode.flush, FAMILY)
 spec_verify = partial(_decode.spec_verify, FAMILY)
-rotate_qk = _decode.rotate_qk
 
-__all__ = ["FAMILY", "flush", "replay_step", "rotate_qk", "sketch_step", "spec_verify", "standard_step"]
+__all__ = ["FAMILY", "flush", "replay_step", "sketch_step", "spec_verify", "standard_step"]
