@@ -14,3 +14,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _no_runtime_leaks():
+    """A runtime left enabled by one test (e.g. inside an lm-eval model object) must not keep the
+    transformers modeling modules patched for the next."""
+    yield
+    from sketchcal.runtime.patch import _ENABLED
+
+    for runtime in list(_ENABLED.values()):
+        runtime.disable()

@@ -26,3 +26,17 @@ def build_tiny(model_type: str, seed: int = 0):
 
     torch.manual_seed(seed)
     return tf.AutoModelForCausalLM.from_config(tiny_config(model_type)).eval()
+
+
+def calibrate_worker(rank: int, port: int, out: str, kwargs: dict) -> None:
+    """One rank of a 2-process gloo calibration (a module-level function, so spawn can pickle it)."""
+    import os
+
+    import sketchcal
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank)
+    )
+    torch.set_num_threads(1)
+    sketchcal.calibrate(out=out, **kwargs)
+    torch.distributed.destroy_process_group()

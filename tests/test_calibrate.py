@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 import torch.multiprocessing as mp
+from helpers import calibrate_worker
 from safetensors.torch import load_file
 
 import sketchcal
@@ -100,20 +101,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, port, out):
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank)
-    )
-    torch.set_num_threads(1)
-    sketchcal.calibrate(out=out, **SMALL)
-    torch.distributed.destroy_process_group()
-
-
 def test_gloo_two_processes_equal_one(tmp_path):
     single = tmp_path / "single"
     sketchcal.calibrate(out=single, **SMALL)
     dual = tmp_path / "dual"
-    mp.spawn(_worker, args=(_free_port(), str(dual)), nprocs=2, join=True)
+    mp.spawn(calibrate_worker, args=(_free_port(), str(dual), SMALL), nprocs=2, join=True)
     a, b = _tensors(single), _tensors(dual)
     assert a.keys() == b.keys()
     for name in a:
