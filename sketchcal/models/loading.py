@@ -93,10 +93,10 @@ def _load_pretrained(model, revision, device, dtype, device_map, trust_remote_co
 
     if dtype not in DTYPES:
         raise SketchcalError(f"unknown --dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    from sketchcal.hub.resolve import is_hub_id
+
     local = Path(model).expanduser()
-    if not local.exists() and (
-        model.startswith((".", "/", "~")) or os.sep in model.strip("/").replace("/", "", 1)
-    ):
+    if not local.exists() and not is_hub_id(model):
         raise SketchcalError(f"model directory {model} does not exist; give a local directory or a Hub id")
     try:
         config = tf.AutoConfig.from_pretrained(model, revision=revision, trust_remote_code=trust_remote_code)
