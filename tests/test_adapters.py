@@ -137,3 +137,31 @@ def test_cpu_runs_the_torch_path_even_with_gpu_kernels_bound(monkeypatch):
         with MixerTap(loaded.model, loaded.spec, calls.append):
             loaded.model(ids)
     assert len(calls) == len(loaded.spec.layers)
+
+
+def test_builtin_prefers_shipped_trained_weights(tmp_path, monkeypatch):
+    import transformers as tf
+
+    from sketchcal.models import loading
+    from sketchcal.models.tiny import tiny_config
+
+    trained = tmp_path / "tiny-kda"
+    tok = tf.AutoTokenizer.from_pretrained(loading.ASSETS / "tokenizer")
+    torch.manual_seed(123)
+    tf.AutoModelForCausalLM.from_config(tiny_config("kimi_linear", vocab_size=len(tok))).save_pretrained(
+        trained
+    )
+    tok.save_pretrained(trained)
+    monkeypatch.setattr(loading, "TRAINED_MODELS", tmp_path)
+
+    shipped = loading.load_model("builtin:tiny-kda", device="cpu")
+    random = loading.load_model("builtin:random-tiny-kda", device="cpu")
+    saved = tf.AutoModelForCausalLM.from_pretrained(trained)
+    for (name, p), q in zip(shipped.model.state_dict().items(), saved.state_dict().values(), strict=True):
+        assert torch.equal(p, q), name
+    assert shipped.revision.startswith("sha256:") and random.revision is None
+    assert not torch.equal(next(random.model.parameters()), next(shipped.model.parameters()))
+    # without shipped weights both names give the same random stand-in
+    monkeypatch.setattr(loading, "TRAINED_MODELS", tmp_path / "none")
+    a = loading.load_model("builtin:tiny-kda", device="cpu").model.state_dict()
+    assert all(torch.equal(a[k], v) for k, v in random.model.state_dict().items())

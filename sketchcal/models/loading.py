@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,9 +17,11 @@ from sketchcal.models.spec import ModelSpec, describe
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 
-# Built-in models: name -> model_type of the tiny config (random weights, seed 0, shipped tokenizer).
+# Built-in models: name -> model_type. Trained weights ship in assets/models/<name>/ (recipes/);
+# without them, and for builtin:random-<name>, a random-weight tiny config (seed 0) stands in.
 BUILTIN_MODELS = {"tiny-gdn": "qwen3_5_text", "tiny-mamba2": "nemotron_h", "tiny-kda": "kimi_linear"}
 DEFAULT_MODEL = "builtin:tiny-gdn"
+TRAINED_MODELS = ASSETS / "models"
 
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -46,22 +49,46 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def _weights_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return "sha256:" + digest.hexdigest()[:16]
+
+
 def _load_builtin(name: str, device: str) -> LoadedModel:
+    """``builtin:NAME``: the trained demo model in ``assets/models/NAME`` when it ships, else (and
+    always for ``builtin:random-NAME``) a random-weight model of the same layout (seed 0)."""
     import transformers as tf
 
     from sketchcal.models.tiny import tiny_config
 
     key = name.removeprefix("builtin:")
-    if key not in BUILTIN_MODELS:
-        raise SketchcalError(f"unknown built-in model {name!r}; choose one of {', '.join(BUILTIN_MODELS)}")
-    tokenizer = tf.AutoTokenizer.from_pretrained(ASSETS / "tokenizer")
-    config = tiny_config(BUILTIN_MODELS[key], vocab_size=len(tokenizer))
-    config.pad_token_id = config.eos_token_id = config.bos_token_id = tokenizer.eos_token_id
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = tf.AutoModelForCausalLM.from_config(config).eval()
+    base = key.removeprefix("random-")
+    if base not in BUILTIN_MODELS:
+        names = ", ".join([*BUILTIN_MODELS, *(f"random-{k}" for k in BUILTIN_MODELS)])
+        raise SketchcalError(f"unknown built-in model {name!r}; choose one of {names}")
+    trained = TRAINED_MODELS / base
+    if key == base and (trained / "model.safetensors").is_file():
+        tokenizer = tf.AutoTokenizer.from_pretrained(trained)
+        model = tf.AutoModelForCausalLM.from_pretrained(trained, dtype=torch.float32).eval()
+        if model.config.model_type != BUILTIN_MODELS[base]:
+            raise SketchcalError(
+                f"{trained} holds a {model.config.model_type} model, expected {BUILTIN_MODELS[base]}; "
+                "reinstall sketchcal"
+            )
+        revision = _weights_digest(trained / "model.safetensors")
+    else:
+        tokenizer = tf.AutoTokenizer.from_pretrained(ASSETS / "tokenizer")
+        config = tiny_config(BUILTIN_MODELS[base], vocab_size=len(tokenizer))
+        config.pad_token_id = config.eos_token_id = config.bos_token_id = tokenizer.eos_token_id
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = tf.AutoModelForCausalLM.from_config(config).eval()
+        revision = None
     model.generation_config.pad_token_id = tokenizer.eos_token_id
-    return LoadedModel(model.to(device), tokenizer, describe(model), f"builtin:{key}", None)
+    return LoadedModel(model.to(device), tokenizer, describe(model), f"builtin:{key}", revision)
 
 
 def load_model(
