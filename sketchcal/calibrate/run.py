@@ -322,7 +322,7 @@ def calibrate(
         start = state["round_done"]
         runner.counters = _Counters(**state["counters"])
         for st in runner.stats.values():
-            st._kept_count = st.keep_windows  # the held-out sample is taken in round 0, already saved
+            st.stop_keeping_windows()  # the held-out sample is taken in round 0, already saved
 
     t_start = time.perf_counter()
     try:

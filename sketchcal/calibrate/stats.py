@@ -123,6 +123,10 @@ class LayerStats:
             t.zero_()
         return out
 
+    def stop_keeping_windows(self) -> None:
+        """Keep no more windows (a resumed run: the sample was taken and saved before)."""
+        self._kept_count = self.keep_windows
+
     def kept_windows(self) -> dict[str, Tensor]:
         if not self.keep_windows:
             return {}
