@@ -6,6 +6,7 @@ start, and multiplies the transitions out for every effective query.
 
 import pytest
 import torch
+from helpers import ALL_MODEL_TYPES, build_tiny
 
 from sketchcal.calibrate.stats import LayerStats
 from sketchcal.kernels.common import StepInputs, family
@@ -159,3 +160,32 @@ def test_calibrate_prefill_state_matches_a_float64_prompt_scan(tmp_path, model):
                 assert ((g - t).norm() / t.norm()).item() < 1e-5, (layer, name)
             else:
                 assert torch.equal(g, t), (layer, name)
+
+
+@pytest.mark.parametrize("model_type", ALL_MODEL_TYPES)
+def test_tapped_forward_starts_from_the_models_prefill_state(model_type):
+    """For every architecture: the decoded part is tapped from the cached prefill state, and that
+    state equals a float64 scan of the prompt's own tapped inputs."""
+    from sketchcal.calibrate.run import tapped_forward
+    from sketchcal.kernels.common import recurrence
+    from sketchcal.models import MixerTap, describe
+
+    model = build_tiny(model_type)
+    spec = describe(model)
+    fam = family(spec.family)
+    ids = torch.randint(1, 2000, (2, 40), generator=torch.Generator().manual_seed(2))
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    prompt_calls, decode_calls = {}, {}
+    with torch.no_grad():
+        with MixerTap(model, spec, lambda c: prompt_calls.setdefault(c.layer, c)):
+            model(ids[:, :24])
+        tapped_forward(
+            model, spec, ids, valid, 24, lambda c, v, start: decode_calls.setdefault(c.layer, (c, v, start))
+        )
+    assert sorted(decode_calls) == [s.layer for s in spec.layers]
+    for layer, (call, fed_valid, start) in decode_calls.items():
+        assert start == 0 and fed_valid.shape == (2, 16) and call.inputs.num_tokens == 16
+        assert call.initial_state is not None, f"{model_type}: no prefill state"
+        _, ref = recurrence(fam, prompt_calls[layer].inputs)
+        err = ((call.initial_state - ref).norm() / ref.norm()).item()
+        assert err < 1e-4, f"{model_type} layer {layer}: prefill state differs by {err:.1e}"

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,7 @@ from sketchcal.calibrate.store import (
 )
 from sketchcal.errors import SketchcalError
 from sketchcal.kernels.common import family
-from sketchcal.models import MixerCall, MixerTap
+from sketchcal.models import MixerCall, MixerTap, ModelSpec
 from sketchcal.models.loading import LoadedModel, load_model, resolve_device
 
 
@@ -98,6 +100,49 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def tapped_forward(
+    model: torch.nn.Module,
+    spec: ModelSpec,
+    seq: torch.Tensor,
+    valid: torch.Tensor,
+    prompt_end: int,
+    on_call: Callable[[MixerCall, torch.Tensor, int], None],
+) -> None:
+    """Teacher-forced forward of ``seq`` [B, T] reporting each mixer call of the decoded part.
+
+    The prompt (``seq[:, :prompt_end]``) is prefilled untapped with a cache: its final state, as
+    the model itself computes it, is the first checkpoint (what a serving engine stores), so only
+    the decoded tokens are scanned. ``on_call(call, valid_of_the_fed_tokens, prompt_end_within_them)``;
+    the call's ``initial_state`` is the prefill state. Falls back to one tapped forward of the whole
+    sequence when there is no prompt, nothing after it, or the model returns no cache.
+    """
+    cache = None
+    # the cache's keyword: past_key_values for most models, cache for pure Mamba-2 ones
+    cache_arg = (
+        "past_key_values" if "past_key_values" in inspect.signature(model.forward).parameters else "cache"
+    )
+    if 0 < prompt_end < seq.shape[1]:
+        out = model(
+            input_ids=seq[:, :prompt_end],
+            attention_mask=valid[:, :prompt_end].long(),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache = getattr(out, cache_arg, None)
+    if cache is None:
+        feed, feed_valid, start = seq, valid, prompt_end
+    else:
+        feed, feed_valid, start = seq[:, prompt_end:], valid[:, prompt_end:], 0
+    with MixerTap(model, spec, lambda call: on_call(call, feed_valid, start)):
+        model(
+            input_ids=feed,
+            attention_mask=valid.long(),
+            use_cache=cache is not None,
+            **({cache_arg: cache} if cache is not None else {}),
+            logits_to_keep=1,
+        )
+
+
 class _Runner:
     def __init__(self, loaded: LoadedModel, settings: Settings, world: World):
         self.loaded, self.s, self.world = loaded, settings, world
@@ -161,30 +206,12 @@ class _Runner:
 
         _sync(dev)
         t0 = time.perf_counter()
-        cache, feed, feed_valid, start = None, seq, valid, prompt_end
-        if 0 < prompt_end < seq.shape[1]:
-            # Prefill the prompt untapped: its final state, as the model computes it, is the first
-            # checkpoint (what a serving engine stores); only the decoded tokens are scanned.
-            cache = model(
-                input_ids=seq[:, :prompt_end],
-                attention_mask=valid[:, :prompt_end].long(),
-                use_cache=True,
-                logits_to_keep=1,
-            ).past_key_values
-            feed, feed_valid, start = seq[:, prompt_end:], valid[:, prompt_end:], 0
 
-        def on_call(call: MixerCall) -> None:
+        def on_call(call: MixerCall, valid_fed: torch.Tensor, start: int) -> None:
             stats = self.stats[(batch.split, call.layer)]
-            stats.update(self.family, call.inputs, feed_valid, start, call.initial_state)
+            stats.update(self.family, call.inputs, valid_fed, start, call.initial_state)
 
-        with MixerTap(model, self.loaded.spec, on_call):
-            model(
-                input_ids=feed,
-                attention_mask=valid.long(),
-                past_key_values=cache,
-                use_cache=cache is not None,
-                logits_to_keep=1,
-            )
+        tapped_forward(model, self.loaded.spec, seq, valid, prompt_end, on_call)
         _sync(dev)
         self.counters.capture_seconds += time.perf_counter() - t0
 
