@@ -297,16 +297,22 @@ def _fit_and_allocate(
 ):
     """Fit and allocate; with ``shrinkage="auto"`` once per estimator, keeping the one whose allocation has
     the lowest held-out error. Returns ``(fits, allocation, method, {method: held-out error})``."""
+    from sketchcal.ui import progress_bar
+
     methods = SHRINKAGE_METHODS if shrinkage == "auto" else (shrinkage,)
     best = None
     scores: dict[str, float | None] = {}
-    for meth in methods:
-        fits = fit_all(stats, basis=basis, coef=coef, shrinkage=meth, seed=seed)
-        alloc = allocate(fits, traffic, rank=rank, bytes_per_token=bytes_per_token)
-        score = _score(alloc)
-        scores[meth] = score
-        if best is None or (score is not None and (best[3] is None or score < best[3])):
-            best = (fits, alloc, meth, score)
+    with progress_bar() as bar:
+        task = bar.add_task("fitting bases", total=len(methods) * len(stats.layers))
+        for meth in methods:
+            fits = fit_all(
+                stats, basis=basis, coef=coef, shrinkage=meth, seed=seed, on_layer=lambda _: bar.advance(task)
+            )
+            alloc = allocate(fits, traffic, rank=rank, bytes_per_token=bytes_per_token)
+            score = _score(alloc)
+            scores[meth] = score
+            if best is None or (score is not None and (best[3] is None or score < best[3])):
+                best = (fits, alloc, meth, score)
     fits, alloc, meth, score = best
     if shrinkage == "auto" and score is None:
         alloc.notes.append(f"no held-out data to choose the E shrinkage; used {meth}")

@@ -8,7 +8,7 @@ all heads of all layers (heads whose key dim is ≤ the rank are exact and count
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -32,10 +32,17 @@ def _score(fit: LayerFit, source: str, m: int) -> list[float]:
 
 
 def fit_all(
-    stats, *, basis: str = "state", coef: str = "state", shrinkage: str = "ledoit_wolf", seed: int = 0
+    stats,
+    *,
+    basis: str = "state",
+    coef: str = "state",
+    shrinkage: str = "ledoit_wolf",
+    seed: int = 0,
+    on_layer: Callable[[int], None] | None = None,
 ) -> list[LayerFit]:
     """Fit every layer of a :class:`~sketchcal.artifact.stats.Stats`, one layer in memory at a time
-    (moments and held-out windows are read, fitted and dropped)."""
+    (moments and held-out windows are read, fitted and dropped). ``on_layer(layer)`` is called after
+    each layer (progress)."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for li in stats.layers:
@@ -52,6 +59,8 @@ def fit_all(
                 generator=gen,
             )
         )
+        if on_layer is not None:
+            on_layer(li.layer)
     return out
 
 
