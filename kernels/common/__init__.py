@@ -5,7 +5,6 @@ from sketchcal.kernels.common.recurrence import (
     product_form_read,
     recurrence,
     step,
-    window_transfer,
 )
 
 __all__ = [
@@ -15,7 +14,6 @@ __all__ = [
     "product_form_read",
     "recurrence",
     "step",
-    "window_transfer",
 ]
 
 

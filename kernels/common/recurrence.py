@@ -2,7 +2,7 @@
 
 Every family (Mamba-2, GDN, KDA) differs only in its transition ``A_t``; a :class:`Family`
 says how to apply ``A_t`` and ``A_tᵀ``. Everything else (the plain recurrence, the ReplaySSM
-product form, window folding) is written once here, for any float dtype; the tests and the
+product form) is written once here, for any float dtype; the tests and the
 calibration run it in float64.
 
 Layouts, key-major, groups already expanded to heads:
@@ -173,20 +173,3 @@ def product_form_read(family: Family, s_c: Tensor | None, x: StepInputs) -> tupl
     if x.skip is not None:
         o = o + x.skip
     return o, v
-
-
-def window_transfer(family: Family, x: StepInputs) -> tuple[Tensor, Tensor]:
-    """The affine map of a window: state after it = ``M S_c + W``.
-
-    Returns ``M = A_P ⋯ A_1`` [..., H, K, K] and ``W`` [..., H, K, V], built by running the
-    recurrence on ``[I | 0]`` so windows can be processed in parallel.
-    """
-    lead = x.k.shape[:-3]
-    h, kd, vd = x.num_heads, x.key_dim, x.value_dim
-    eye = torch.eye(kd, dtype=x.k.dtype, device=x.k.device)
-    mw = torch.cat([eye.expand(*lead, h, kd, kd), x.k.new_zeros(*lead, h, kd, vd)], dim=-1)
-    for t in range(x.num_tokens):
-        xt = x.tokens(t)
-        mw = family.apply(mw, xt.k, xt.decay, xt.beta)
-        mw[..., kd:] += xt.k.unsqueeze(-1) * xt.w.unsqueeze(-2)
-    return mw[..., :kd], mw[..., kd:]

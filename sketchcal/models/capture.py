@@ -14,7 +14,7 @@ import contextlib
 import functools
 import importlib
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +49,13 @@ class MixerCall:
 def torch_reference(fn: Callable) -> Callable:
     """The torch implementation behind a transformers kernel function (``__wrapped__``)."""
     return getattr(fn, "__wrapped__", fn)
+
+
+def pick_implementation(original: Callable, reference: Callable, args: Iterable[Any]) -> Callable:
+    """The bound kernel when any tensor argument is on a GPU, else the torch reference: GPU-only
+    kernels (fla, mamba-ssm, causal-conv1d) never run on the CPU."""
+    on_gpu = any(isinstance(a, Tensor) and a.is_cuda for a in args)
+    return original if on_gpu else reference
 
 
 def _modeling_module(spec: ModelSpec):
@@ -145,8 +152,7 @@ class MixerTap:
             bound.apply_defaults()
             named = dict(bound.arguments)
             named.update(named.pop("kwargs", {}) or {})
-            on_cpu = not any(isinstance(a, Tensor) and a.is_cuda for a in named.values())
-            impl = reference if on_cpu else original
+            impl = pick_implementation(original, reference, named.values())
             layer = self._layer
             if layer is None:  # called from outside a tapped mixer
                 return impl(*args, **kwargs)

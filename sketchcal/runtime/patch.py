@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from sketchcal.artifact.sketch import SketchArtifact, read_sketch
 from sketchcal.errors import SketchcalError
 from sketchcal.models import ModelSpec, describe
-from sketchcal.models.capture import torch_reference
+from sketchcal.models.capture import pick_implementation, torch_reference
 from sketchcal.runtime.families import GLUES, FunctionGlue
 from sketchcal.runtime.precision import Precision, parse_dtype
 from sketchcal.runtime.sketch import SketchTables
@@ -70,8 +70,7 @@ class _Dispatcher:
 
     def impl(self, tensors: Any) -> Callable:
         """The original on a GPU, its torch reference otherwise (as MixerTap)."""
-        on_cpu = not any(isinstance(a, Tensor) and a.is_cuda for a in tensors)
-        return self.reference if on_cpu else self.original
+        return pick_implementation(self.original, self.reference, tensors)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         active = _CURRENT.get()
