@@ -139,6 +139,43 @@ def collect(stdlib: Path, min_docstring: int, min_document: int, max_document: i
     return docs
 
 
+def heldout_groups(heldout_jsonl: Path) -> set[str]:
+    """The top-level packages of a held-out file written by this script: the first name of each
+    document's first heading (``module json.decoder``, ``class json.JSONDecoder(...)``, ...)."""
+    groups = set()
+    for line in heldout_jsonl.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            heading = json.loads(line)["text"].split("\n", 1)[0]
+            name = heading.removeprefix("module ").removeprefix("class ")
+            groups.add(re.split(r"[.(\s]", name, maxsplit=1)[0])
+    return groups
+
+
+def source_documents(stdlib: Path, exclude_groups: set[str]) -> list[Document]:
+    """Whole standard-library source files (code, comments and docstrings) as training text.
+
+    The same files as :func:`collect` (sorted path order; tests, ``site-packages`` and files with a
+    licence of their own skipped) minus every top-level package in ``exclude_groups`` (the held-out
+    packages, whose docstrings must not be trained on), whitespace normalised as docstrings are.
+    """
+    docs = []
+    for path in sorted(stdlib.rglob("*.py")):
+        rel = path.relative_to(stdlib)
+        if SKIP_DIRS.intersection(rel.parts) or rel.parts[0].startswith("config-"):
+            continue
+        name = module_name(rel)
+        if name.split(".")[0] in exclude_groups:
+            continue
+        try:
+            source = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, ValueError):
+            continue
+        if OWN_LICENCE.search(source) or not source.strip():
+            continue
+        docs.append(Document(module=name, group=name.split(".")[0], text=normalise(source)))
+    return docs
+
+
 def sha_key(name: str) -> str:
     """A fixed pseudo-random order that does not depend on any RNG implementation."""
     return hashlib.sha256(name.encode("utf-8")).hexdigest()

@@ -130,6 +130,9 @@ class DataRecipe:
     text_field: str = "text"
     corpus_fraction: float = 0.5
     recall_fraction: float = 0.5
+    # share of the text windows taken from the running interpreter's standard-library source files
+    # (code, comments, docstrings; the held-out packages left out), the rest from ``corpus``; 0 = off
+    stdlib_sources: float = 0.0
 
 
 @dataclass
@@ -143,6 +146,8 @@ class RecallRecipe:
     token. Keys come from ``key_range`` and values from ``value_range``, each a ``[start, stop)``
     slice of the candidate list (``null`` = its end); within one sequence all keys and values are
     distinct. ``pairs`` and ``prefix`` are inclusive ``[min, max]`` ranges drawn per sequence.
+    ``curriculum_steps``: over the first that many batches the upper end of ``pairs`` rises linearly
+    from its lower end (few pairs first: the copy circuit forms on easy sequences); 0 = off.
     """
 
     tokens: str = "words"
@@ -151,6 +156,7 @@ class RecallRecipe:
     value_range: tuple[int, int | None] = (0, None)
     pairs: tuple[int, int] = (16, 128)
     prefix: tuple[int, int] = (0, 64)
+    curriculum_steps: int = 0
 
 
 @dataclass
@@ -328,6 +334,7 @@ def validate_recipe(r: Recipe) -> None:
         _check(key not in r.model.config, f"model.config.{key} comes from the tokenizer; remove it")
     d = r.data
     _check(0.0 <= d.recall_fraction <= 1.0, "data.recall_fraction must be in [0, 1]")
+    _check(0.0 <= d.stdlib_sources <= 1.0, "data.stdlib_sources must be in [0, 1]")
     _check(
         abs(d.corpus_fraction + d.recall_fraction - 1.0) < 1e-9,
         "data.corpus_fraction + data.recall_fraction must be 1, "
@@ -350,6 +357,7 @@ def validate_recipe(r: Recipe) -> None:
         _check(len(getattr(rc, name)) == 2, f"recall.{name} must be two numbers")
     _check(1 <= rc.pairs[0] <= rc.pairs[1], "recall.pairs must be [min, max] with 1 <= min <= max")
     _check(0 <= rc.prefix[0] <= rc.prefix[1], "recall.prefix must be [min, max] with 0 <= min <= max")
+    _check(rc.curriculum_steps >= 0, "recall.curriculum_steps must be >= 0")
     if d.recall_fraction > 0:
         room = t.seq_len + 1 - rc.prefix[1] - 2 * rc.pairs[1]
         _check(
@@ -473,6 +481,24 @@ def token_stream(tokenizer: Any, texts: list[str]) -> Tensor:
     return torch.tensor(out, dtype=torch.long)
 
 
+def stdlib_source_stream(tokenizer: Any, heldout: Path) -> Tensor:
+    """The running interpreter's standard-library sources, tokenised (``recipes/build_corpus.py``'s
+    file rules; the held-out file's top-level packages left out so that no held-out text is trained on)."""
+    import sysconfig
+
+    sys.path.insert(0, str(ROOT / "recipes"))
+    try:
+        import build_corpus
+    finally:
+        sys.path.remove(str(ROOT / "recipes"))
+    docs = build_corpus.source_documents(
+        Path(sysconfig.get_paths()["stdlib"]), build_corpus.heldout_groups(heldout)
+    )
+    if not docs:
+        raise SketchcalError("data.stdlib_sources: no standard-library source files found; set it to 0")
+    return token_stream(tokenizer, [d.text for d in docs])
+
+
 def candidate_tokens(tokenizer: Any, kind: str, min_chars: int) -> list[int]:
     """Recall vocabulary: whole-word tokens (as ``sketchcal verify``) or every non-special id."""
     from sketchcal.verify.retrieval import word_tokens
@@ -518,9 +544,14 @@ class RecallGenerator:
                 f"too few for {n} distinct pairs; widen recall.key_range / value_range or lower recall.pairs"
             )
 
-    def sample(self, length: int, gen: torch.Generator, prefix: Tensor | None = None) -> RecallSequence:
-        """One sequence of exactly ``length`` tokens; ``prefix`` (text) goes first when given."""
+    def sample(
+        self, length: int, gen: torch.Generator, prefix: Tensor | None = None, max_pairs: int | None = None
+    ) -> RecallSequence:
+        """One sequence of exactly ``length`` tokens; ``prefix`` (text) goes first when given;
+        ``max_pairs`` lowers the upper end of ``recall.pairs`` (the curriculum)."""
         lo, hi = self.spec.pairs
+        if max_pairs is not None:
+            hi = max(lo, min(hi, max_pairs))
         prefix = torch.empty(0, dtype=torch.long) if prefix is None else prefix
         n = int(torch.randint(lo, hi + 1, (1,), generator=gen))
         n = min(n, (length - len(prefix) - 2) // 2)
@@ -558,21 +589,38 @@ class BatchStream:
     over rows of each row's mean token loss, so ``data.recall_fraction`` is the recall task's weight.
     """
 
-    def __init__(self, recipe: Recipe, stream: Tensor, recall: RecallGenerator | None, seed: int):
+    def __init__(
+        self,
+        recipe: Recipe,
+        stream: Tensor,
+        recall: RecallGenerator | None,
+        seed: int,
+        sources: Tensor | None = None,
+    ):
         t = recipe.train
         self.seq_len = t.seq_len
         self.n_recall = round(t.batch_size * recipe.data.recall_fraction) if recall is not None else 0
         self.n_text = t.batch_size - self.n_recall
         self.stream = stream
+        self.sources = sources if sources is not None and recipe.data.stdlib_sources > 0 else None
+        self.sources_share = recipe.data.stdlib_sources
         self.recall = recall
         self.prefix = recipe.recall.prefix
         self.gen = torch.Generator().manual_seed(seed)
+        self.batches = 0
         if len(stream) < t.seq_len + 2:
             raise SketchcalError(f"the corpus has {len(stream)} tokens, fewer than train.seq_len + 2")
 
-    def _window(self, length: int) -> Tensor:
-        start = int(torch.randint(0, len(self.stream) - length + 1, (1,), generator=self.gen))
-        return self.stream[start : start + length]
+    def _window(self, length: int, stream: Tensor | None = None) -> Tensor:
+        stream = self.stream if stream is None else stream
+        start = int(torch.randint(0, len(stream) - length + 1, (1,), generator=self.gen))
+        return stream[start : start + length]
+
+    def _text_window(self, length: int) -> Tensor:
+        """A training text window: from the source files with probability ``stdlib_sources``."""
+        if self.sources is not None and float(torch.rand((), generator=self.gen)) < self.sources_share:
+            return self._window(length, self.sources)
+        return self._window(length)
 
     def __iter__(self) -> Iterator[Batch]:
         return self
@@ -580,13 +628,19 @@ class BatchStream:
     def __next__(self) -> Batch:
         length = self.seq_len + 1
         rows, weights = [], []
+        max_pairs = None
+        ramp = self.recall.spec.curriculum_steps if self.recall is not None else 0
+        if ramp and self.batches < ramp:
+            lo, hi = self.recall.spec.pairs
+            max_pairs = lo + (hi - lo) * self.batches // ramp
+        self.batches += 1
         for _ in range(self.n_text):
-            rows.append(self._window(length))
+            rows.append(self._text_window(length))
             weights.append(torch.full((self.seq_len,), 1.0 / self.seq_len))
         for _ in range(self.n_recall):
             assert self.recall is not None
             p = int(torch.randint(self.prefix[0], self.prefix[1] + 1, (1,), generator=self.gen))
-            seq = self.recall.sample(length, self.gen, self._window(p) if p else None)
+            seq = self.recall.sample(length, self.gen, self._window(p) if p else None, max_pairs)
             w = torch.zeros(self.seq_len)
             w[seq.answer_pos] = 1.0 / len(seq.answer_pos)
             rows.append(seq.ids)
@@ -971,6 +1025,17 @@ def model_card(metrics: dict[str, Any]) -> str:
         f"K = {first['key_dim']}, V = {first['value_dim']}"
     )
     o, task, data = m["optimizer"], m["recall_task"], m["data"]
+    share = data.get("stdlib_sources", 0.0)
+    curriculum = task.get("curriculum_steps", 0)
+    ramp = ""
+    if curriculum:
+        ramp = f" (the upper end ramped up from {task['pairs'][0]} over the first {curriculum} steps)"
+    text_mix = f"the Python standard-library docstrings shipped with sketchcal, `{data['corpus']}`"
+    if share:
+        text_mix = (
+            f"{share:.0%} from the Python {data['python']} standard-library source files minus the held-out "
+            f"packages ({data['stdlib_source_tokens']:,} tokens), the rest from {text_mix}"
+        )
     return f"""---
 license: apache-2.0
 library_name: transformers
@@ -1000,10 +1065,10 @@ exercise calibration, conversion and verification offline; it is not a useful la
 
 ## Training
 
-- Data, per batch: {data['corpus_fraction']:.0%} random windows of the Python standard-library
-  docstrings shipped with sketchcal (`{data['corpus']}`, PSF licence), {data['recall_fraction']:.0%}
-  synthetic associative recall: {task['prefix'][0]}-{task['prefix'][1]} tokens of text,
-  {task['pairs'][0]}-{task['pairs'][1]} key-value pairs of whole-word tokens, then queries `key value`
+- Data, per batch: {data['corpus_fraction']:.0%} random text windows ({text_mix}, PSF licence),
+  {data['recall_fraction']:.0%} synthetic associative recall:
+  {task['prefix'][0]}-{task['prefix'][1]} tokens of text,
+  {task['pairs'][0]}-{task['pairs'][1]} key-value pairs of whole-word tokens{ramp}, then queries `key value`
   to the end of the sequence (loss on the queried values only).
 - {m['steps']} steps{budget} of {m['batch_size']} × {m['seq_len']} tokens ({m['tokens']:,} tokens);
   AdamW lr {o['lr']}, betas {o['betas']}, weight decay {o['weight_decay']}, {o['warmup_steps']} warm-up
@@ -1140,14 +1205,19 @@ def run(
     if recipe.data.recall_fraction > 0:
         cands = candidate_tokens(tokenizer, recipe.recall.tokens, recipe.recall.min_chars)
         generator = RecallGenerator(recipe.recall, cands, tokenizer.eos_token_id)
-    batches = BatchStream(recipe, corpus, generator, recipe.train.seed)
+    sources = None
+    if recipe.data.stdlib_sources:
+        sources = stdlib_source_stream(tokenizer, resolve(recipe.data.heldout))
+    batches = BatchStream(recipe, corpus, generator, recipe.train.seed, sources)
     evals = build_eval_sets(recipe, tokenizer, held)
     n_params = sum(p.numel() for p in model.parameters())
+    source_note = "" if sources is None else f", stdlib sources {len(sources):,}"
     kernels = kernel_path(recipe.model.family, device, torch_path)
     _log(
         f"{recipe.name}: {type(model).__name__}, {n_params:,} parameters ({size / 2**20:.2f} MiB "
         f"{recipe.output.dtype}), device {device}, mixers: {kernels}; corpus {len(corpus):,} tokens, "
-        f"held-out {len(held):,}; {steps} steps of {recipe.train.batch_size} × {recipe.train.seq_len}"
+        f"held-out {len(held):,}{source_note}; "
+        f"{steps} steps of {recipe.train.batch_size} × {recipe.train.seq_len}"
     )
 
     result = train_loop(
@@ -1221,6 +1291,9 @@ def run(
             "corpus_fraction": recipe.data.corpus_fraction,
             "recall_fraction": recipe.data.recall_fraction,
             "corpus_tokens": len(corpus),
+            "stdlib_sources": recipe.data.stdlib_sources,
+            "stdlib_source_tokens": 0 if sources is None else len(sources),
+            "python": platform.python_version(),
             "heldout_tokens": len(held),
         },
         "recall_task": dataclasses.asdict(recipe.recall),

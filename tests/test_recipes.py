@@ -178,3 +178,49 @@ def test_train_end_to_end(train, tmp_path):
     train.main([*args[: args.index("--out") + 1], str(again), *args[args.index("--out") + 2 :]])
     weights = (out / "model.safetensors").read_bytes()
     assert (again / "model.safetensors").read_bytes() == weights  # deterministic given the seed (CPU)
+
+
+def test_curriculum_raises_the_pair_count(train, tokenizer):
+    """Batch b of a curriculum over R batches draws at most lo + (hi - lo) * b // R pairs; after it, hi."""
+    overrides = ["train.batch_size=16", "train.seq_len=256", "data.corpus_fraction=0.0",
+                 "data.recall_fraction=1.0", "recall.pairs=[1, 64]", "recall.prefix=[0, 0]",
+                 "recall.curriculum_steps=4"]
+    recipe = train.load_recipe(RECIPES / "mamba2.yaml", overrides)
+    gen = train.RecallGenerator(recipe.recall, train.candidate_tokens(tokenizer, "words", 3), 0)
+    drawn: list[int] = []
+    sample = gen.sample
+    gen.sample = lambda *a, **k: (seq := sample(*a, **k), drawn.append(len(seq.keys)))[0]
+    stream = train.BatchStream(recipe, 3 + torch.arange(5000) % 256, gen, seed=0)
+    per_batch = []
+    for _ in range(7):
+        drawn.clear()
+        next(stream)
+        per_batch.append(list(drawn))
+    for b in range(4):
+        assert max(per_batch[b]) <= 1 + 63 * b // 4
+    assert per_batch[0] == [1] * 16
+    assert max(max(p) for p in per_batch[4:]) > 1 + 63 * 3 // 4  # the full range after the ramp
+
+
+def test_stdlib_sources_leave_the_heldout_packages_out(train):
+    """Training source text skips the held-out packages (named in the corpus LICENSE.md) and shares
+    almost no 100-character run with the held-out file."""
+    import sysconfig
+
+    sys.path.insert(0, str(ROOT / "recipes"))
+    try:
+        import build_corpus
+    finally:
+        sys.path.remove(str(ROOT / "recipes"))
+    corpus = ROOT / "sketchcal" / "data" / "corpus"
+    groups = build_corpus.heldout_groups(corpus / "heldout.jsonl")
+    licence = (corpus / "LICENSE.md").read_text()
+    listed = licence.split("whole top-level packages: ", 1)[1].split(")", 1)[0]
+    assert groups == set(listed.split(", "))
+    docs = build_corpus.source_documents(Path(sysconfig.get_paths()["stdlib"]), groups)
+    assert len(docs) > 100 and not {d.group for d in docs} & groups
+    source = " ".join(" ".join(d.text for d in docs).split())
+    held = [" ".join(json.loads(line)["text"].split()) for line in (corpus / "heldout.jsonl").open()]
+    chunks = [t[i : i + 100] for t in held for i in range(0, len(t) - 100, 100)]
+    shared = sum(chunk in source for chunk in chunks)
+    assert len(chunks) > 1000 and shared / len(chunks) < 0.01
