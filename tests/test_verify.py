@@ -46,7 +46,7 @@ def test_verify_end_to_end(artifact, loaded, tmp_path):
     res = verify(
         artifact / "art",
         tokens=3 * WINDOW,
-        rank=[8],
+        rank=[4, 8],
         out=out,
         prompt=8,
         samples=4,
@@ -63,6 +63,10 @@ def test_verify_end_to_end(artifact, loaded, tmp_path):
     assert {"sketch · pca basis", "sketch · random basis", "sketch · bf16 shared", "sketch · rank 8"} <= set(
         names
     )
+    # the sweep re-fits both bases at each budget except the artifact's own (rank 4: the main rows)
+    assert "sketch · rank 8 · pca basis" in names and not any(n.startswith("sketch · rank 4") for n in names)
+    pca8 = res.config("sketch · rank 8 · pca basis")
+    assert pca8.basis == "pca" and pca8.budget == 8 and pca8.group == "rank sweep"
     std, rep, sk = (res.config(n) for n in ("standard", "replay", "sketch"))
     assert rep.kl_mean < 1e-10 and rep.top1_agreement == 1.0 and max(rep.read_error.values()) == 0.0
     assert sk.kl_mean > 0 and min(sk.read_error.values()) > 0 and len(sk.kl_by_position) == WINDOW

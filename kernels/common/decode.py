@@ -70,23 +70,23 @@ class KernelConfig:
     chunked: bool = True
 
 
-# Defaults by (kernel, family); ``block_v`` is clipped to V. Standard: the fastest launch shape
-# on an H200 at batch 256 (BENCHMARKS.md, "Decode kernels"). Read and flush: first choices for
-# the Gram/chunked kernels (no spills in an offline sm_90 build), not yet timed on a device;
-# ``bench.run_bench(tune=True)`` picks among ``bench.TUNE_CANDIDATES``.
+# Defaults by (kernel, family); ``block_v`` is clipped to V: the fastest launch shapes on an H200 at
+# batch 256 among ``bench.TUNE_CANDIDATES`` (BENCHMARKS.md, "Decode kernels"; the read shape is
+# shared by replay and sketch). KDA's flush: the token-by-token form beat the chunked one (885 vs
+# 1,821 us). ``bench.run_bench(tune=True)`` re-picks them on another device.
 DEFAULT_CONFIGS: dict[tuple[str, str], KernelConfig] = {
     ("standard", "mamba2"): KernelConfig(64, 4),
     ("standard", "gdn"): KernelConfig(64, 4),
     ("standard", "kda"): KernelConfig(64, 4),
-    ("read", "mamba2"): KernelConfig(64, 2),
-    ("read", "gdn"): KernelConfig(64, 2),
+    ("read", "mamba2"): KernelConfig(64, 1),
+    ("read", "gdn"): KernelConfig(64, 1),
     ("read", "kda"): KernelConfig(64, 1),
-    ("flush", "mamba2"): KernelConfig(64, 4),
-    ("flush", "gdn"): KernelConfig(32, 4),
-    ("flush", "kda"): KernelConfig(32, 4),
+    ("flush", "mamba2"): KernelConfig(32, 4),
+    ("flush", "gdn"): KernelConfig(64, 4),
+    ("flush", "kda"): KernelConfig(16, 1, chunked=False),
     ("flush_sketch", "mamba2"): KernelConfig(64, 4),
-    ("flush_sketch", "gdn"): KernelConfig(32, 4),
-    ("flush_sketch", "kda"): KernelConfig(32, 4),
+    ("flush_sketch", "gdn"): KernelConfig(64, 4),
+    ("flush_sketch", "kda"): KernelConfig(16, 1, chunked=False),
 }
 
 CHUNK_MIN = 16  # tl.dot needs at least 16 rows/columns: buffer tiles are padded to this

@@ -295,17 +295,20 @@ def _configs(
                 "--rank re-fits the sketch from its calibration statistics, which were not found; "
                 "pass the statistics directory (stats=DIR / --stats DIR)"
             )
-        cfgs.append(
-            RunConfig(
-                f"sketch · rank {r:g}",
-                "sketch",
-                "rank sweep",
-                _refit(stats, art, r, basis, work),
-                read_dtype,
-                basis=basis,
-                budget=r,
+        # the artifact's own budget is the main "sketch" row (and its PCA ablation row): not re-run
+        alts = [basis] + (["pca"] if ablations and basis != "pca" else [])
+        for alt in alts if r != budget else []:
+            cfgs.append(
+                RunConfig(
+                    f"sketch · rank {r:g}" + ("" if alt == basis else f" · {alt} basis"),
+                    "sketch",
+                    "rank sweep",
+                    _refit(stats, art, r, alt, work),
+                    read_dtype,
+                    basis=alt,
+                    budget=r,
+                )
             )
-        )
     return cfgs
 
 

@@ -96,9 +96,10 @@ def test_kernel_cpu(family, shape_id, op, dtype):
 
 
 @pytest.mark.parametrize("op", ["flush", "flush_sketch"])
-def test_kda_token_by_token_flush_cpu(op):
-    """The KDA flush's token-by-token variant (a tuning alternative to the UT form)."""
-    config = decode.KernelConfig(16, 1, chunked=False)
+def test_kda_chunked_flush_cpu(op):
+    """The KDA flush's chunked (UT-form) variant: a tuning alternative to the default token-by-token
+    flush, which was faster on the H200."""
+    config = decode.KernelConfig(32, 4, chunked=True)
     run_case("kda", op, CPU_SHAPES["kda"][1], "fp32", "cpu", seed=4, config=config)
 
 

@@ -1,0 +1,73 @@
+"""One markdown table per demo model from the ``verify.json`` files that ``run.sh`` writes.
+
+Usage: ``python docs/demo-models/tables.py docs/demo-models > docs/demo-models/tables.md``
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+FAMILIES = {"gdn": "tiny-gdn (Qwen3.5-style GDN)", "mamba2": "tiny-mamba2 (Nemotron-H-style Mamba-2)",
+            "kda": "tiny-kda (Kimi-Linear-style KDA)"}
+RANKS = (4, 8, 16)
+
+
+def _row_names(rank: int, main_budget: float) -> tuple[str, str]:
+    """(state-basis config, PCA-basis config) of ``verify.json`` at one mean-rank budget."""
+    if rank == main_budget:
+        return "sketch", "sketch · pca basis"
+    return f"sketch · rank {rank:g}", f"sketch · rank {rank:g} · pca basis"
+
+
+def table(report: dict) -> str:
+    configs = {c["name"]: c for c in report["configs"]}
+    std, replay, main = configs["standard"], configs["replay"], configs["sketch"]
+    ppl = std["perplexity"]
+
+    def pct(x: float) -> str:
+        return f"{100 * x:.1f}%"
+
+    lines = [
+        "| config | mean rank | KL (nats/token) | KL p99 | top-1 agreement | perplexity change | "
+        "recall | traffic saved vs standard | PCA basis: KL / top-1 |",
+        "|---|---|---|---|---|---|---|---|---|",
+        f"| standard | full | – | – | – | ({ppl:.2f}) | {pct(std['retrieval_accuracy'])} | – | – |",
+        f"| replay | full | {replay['kl_mean']:.1e} | {replay['kl_p99']:.1e} | "
+        f"{pct(replay['top1_agreement'])} | "
+        f"{100 * (replay['perplexity'] / ppl - 1):+.2f}% | {pct(replay['retrieval_accuracy'])} | "
+        f"{pct(replay['traffic']['reduction_vs_standard'])} | – |",
+    ]
+    for rank in RANKS:
+        name, pca_name = _row_names(rank, main["budget"])
+        c, p = configs[name], configs[pca_name]
+        lines.append(
+            f"| sketch | {c['mean_rank']:.1f} | {c['kl_mean']:.4f} | {c['kl_p99']:.3f} | "
+            f"{pct(c['top1_agreement'])} | {100 * (c['perplexity'] / ppl - 1):+.2f}% | "
+            f"{pct(c['retrieval_accuracy'])} | {pct(c['traffic']['reduction_vs_standard'])} | "
+            f"{p['kl_mean']:.4f} / {pct(p['top1_agreement'])} |"
+        )
+    r = report["retrieval"]
+    lines.append("")
+    lines.append(
+        f"{report['samples']} held-out samples × {report['tokens']} teacher-forced tokens after a "
+        f"{report['prompt']}-token prompt (window {report['window']}); recall: {r['queries']} queries "
+        f"over {r['pairs']} key-value pairs (chance {1 / r['pairs']:.1%})."
+    )
+    return "\n".join(lines)
+
+
+def main(folder: str) -> None:
+    root = Path(folder)
+    for family, title in FAMILIES.items():
+        path = root / family / "verify.json"
+        if not path.is_file():
+            raise SystemExit(f"{path} is missing: run {root / 'run.sh'} first")
+        print(f"### {title}\n")
+        print(table(json.loads(path.read_text())))
+        print()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).parent))
