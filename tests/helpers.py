@@ -1,6 +1,13 @@
 """Shared test helpers (tests/ is on sys.path through the pytest config)."""
 
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
 import torch
+
+ROOT = Path(__file__).resolve().parent.parent
 
 ALL_MODEL_TYPES = [
     "mamba2",
@@ -40,3 +47,15 @@ def calibrate_worker(rank: int, port: int, out: str, kwargs: dict) -> None:
     torch.set_num_threads(1)
     sketchcal.calibrate(out=out, **kwargs)
     torch.distributed.destroy_process_group()
+
+
+def recipes_train() -> ModuleType:
+    """``recipes/train.py`` as a module (recipes/ is not a package), loaded once per session."""
+    name = "sketchcal_recipes_train"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "recipes" / "train.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up
+        spec.loader.exec_module(module)
+    return sys.modules[name]

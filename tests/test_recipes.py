@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -10,6 +9,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from helpers import recipes_train
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ROOT / "recipes" / "models"
@@ -22,14 +22,7 @@ MIB = 2**20
 @pytest.fixture(scope="module")
 def train() -> ModuleType:
     """recipes/train.py as a module (recipes/ is not a package)."""
-    if "sketchcal_recipes_train" in sys.modules:
-        return sys.modules["sketchcal_recipes_train"]
-    spec = importlib.util.spec_from_file_location("sketchcal_recipes_train", ROOT / "recipes" / "train.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return recipes_train()
 
 
 @pytest.fixture(scope="module")

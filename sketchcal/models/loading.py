@@ -59,7 +59,8 @@ def _weights_digest(path: Path) -> str:
 
 def _load_builtin(name: str, device: str) -> LoadedModel:
     """``builtin:NAME``: the trained demo model in ``assets/models/NAME`` when it ships, else (and
-    always for ``builtin:random-NAME``) a random-weight model of the same layout (seed 0)."""
+    always for ``builtin:random-NAME``) a small random-weight model of the same architecture
+    (:func:`sketchcal.models.tiny.tiny_config`, seed 0)."""
     import transformers as tf
 
     from sketchcal.models.tiny import tiny_config
