@@ -33,7 +33,8 @@ Math per program (one slot, one head, one tile of BV value columns; n buffered t
 - flush (chunked, tensor cores): Mamba-2 ``S ← g_{−1} S + K_bᵀ (g⊙W)``; GDN (UT form)
   ``D = (I + L)⁻¹ (W − (β⊙γ) K_b S)``, ``L_{ji} = β_j (α_{i+1}⋯α_j) G_{ji}`` (j > i),
   ``S ← γ_n S + K_bᵀ (g⊙D)`` with γ_j = α_0⋯α_j; KDA the same with per-channel decays
-  (:func:`_kda_chunk`), or token by token (``KernelConfig.chunked=False``). ``(I + L)⁻¹`` is
+  (:func:`_kda_chunk`). Any family can flush token by token instead (``KernelConfig.chunked=False``;
+  KDA's default, faster on the H200). ``(I + L)⁻¹`` is
   the product ``(I − L)(I + L²)(I + L⁴)(I + L⁸)`` (L is nilpotent). The new token of a flush
   call is applied after the chunk, token by token.
 
@@ -62,8 +63,8 @@ FAMILY_ID = {"mamba2": 0, "gdn": 1, "kda": 2}
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Launch shape: value columns per program and warps per program; ``chunked`` (KDA flush
-    only) picks the UT-form flush over the token-by-token one."""
+    """Launch shape: value columns per program and warps per program; ``chunked`` (flush only)
+    picks the chunked tensor-core flush over the token-by-token one."""
 
     block_v: int
     num_warps: int
@@ -453,16 +454,15 @@ def _flush_kernel(
     p_s = state + (s * H + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :]
     S = tl.load(p_s, eviction_policy="evict_first")
     o_c = tl.arange(0, BC)
-    if FAMILY == 2:
-        if CHUNKED:
-            S = _kda_chunk(S, buf_k, buf_w, buf_decay, buf_beta, hb, gb, n, o_c, o_k, o_v, K, V, LOG2_BC)
-        else:
-            for j in tl.static_range(C):
-                kk, ww, dd, bb = _load_token(
-                    buf_k, buf_w, buf_decay, buf_beta, (gb + j) * K, (hb + j) * V, hb + j,
-                    o_k, o_v, j < n, K, V, FAMILY,
-                )
-                S = _forward(S, kk, ww, dd, bb, FAMILY)
+    if not CHUNKED:  # token by token, any family
+        for j in tl.static_range(C):
+            kk, ww, dd, bb = _load_token(
+                buf_k, buf_w, buf_decay, buf_beta, (gb + j) * K, (hb + j) * V, hb + j,
+                o_k, o_v, j < n, K, V, FAMILY,
+            )
+            S = _forward(S, kk, ww, dd, bb, FAMILY)
+    elif FAMILY == 2:
+        S = _kda_chunk(S, buf_k, buf_w, buf_decay, buf_beta, hb, gb, n, o_c, o_k, o_v, K, V, LOG2_BC)
     else:
         kb, wb, al, g, total = _buffer_tiles(buf_k, buf_w, buf_decay, hb, gb, n, o_c, o_k, o_v, K, V)
         if FAMILY == 1:

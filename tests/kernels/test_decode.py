@@ -96,11 +96,13 @@ def test_kernel_cpu(family, shape_id, op, dtype):
 
 
 @pytest.mark.parametrize("op", ["flush", "flush_sketch"])
-def test_kda_chunked_flush_cpu(op):
-    """The KDA flush's chunked (UT-form) variant: a tuning alternative to the default token-by-token
-    flush, which was faster on the H200."""
-    config = decode.KernelConfig(32, 4, chunked=True)
-    run_case("kda", op, CPU_SHAPES["kda"][1], "fp32", "cpu", seed=4, config=config)
+@pytest.mark.parametrize(("family", "chunked"), [("kda", True), ("gdn", False), ("mamba2", False)])
+def test_other_flush_form_cpu(family, chunked, op):
+    """The flush form that is not the family's default (KDA: chunked UT form; Mamba-2 and GDN:
+    token by token), kept as tuning candidates."""
+    assert decode.default_config(op, family).chunked != chunked
+    config = decode.KernelConfig(32 if chunked else 16, 4 if chunked else 1, chunked=chunked)
+    run_case(family, op, CPU_SHAPES[family][1], "fp32", "cpu", seed=4, config=config)
 
 
 def test_bf16_read_copy_is_close_to_exact():
