@@ -29,7 +29,8 @@ Math per program (one slot, one head, one tile of BV value columns; n buffered t
 - read:  o = S_cᵀ u + Σ_j c_j w_j, u = M_pᵀ q. The new tokens are swept one by one; the buffer
   then in closed form. Mamba-2: c_j = g_j (k_j·q), u = g_{−1} q. GDN (Gram form): with
   z = (I + U)⁻¹ (K_b q), U_{ji} = β_i G_{ji} (i > j) — a back-substitution on n scalars —
-  c_j = g_j z_j and u = g_{−1}(q − K_bᵀ(β⊙z)). KDA: the sequential sweep.
+  c_j = g_j z_j and u = g_{−1}(q − K_bᵀ(β⊙z)). KDA: the sequential sweep, which the other families
+  can also use (``KernelConfig.chunked=False``).
 - flush (chunked, tensor cores): Mamba-2 ``S ← g_{−1} S + K_bᵀ (g⊙W)``; GDN (UT form)
   ``D = (I + L)⁻¹ (W − (β⊙γ) K_b S)``, ``L_{ji} = β_j (α_{i+1}⋯α_j) G_{ji}`` (j > i),
   ``S ← γ_n S + K_bᵀ (g⊙D)`` with γ_j = α_0⋯α_j; KDA the same with per-channel decays
@@ -63,8 +64,9 @@ FAMILY_ID = {"mamba2": 0, "gdn": 1, "kda": 2}
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Launch shape: value columns per program and warps per program; ``chunked`` (flush only)
-    picks the chunked tensor-core flush over the token-by-token one."""
+    """Launch shape: value columns per program and warps per program; ``chunked`` picks the
+    closed forms over the buffer (read: Gram form for Mamba-2/GDN; flush: tensor-core chunk) over
+    the token-by-token sweeps (KDA's read is always a sweep)."""
 
     block_v: int
     num_warps: int
@@ -336,7 +338,7 @@ def _read_kernel(
     T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, M: tl.constexpr,
     FAMILY: tl.constexpr, SKETCH: tl.constexpr, HAS_SKIP: tl.constexpr, K_BF16: tl.constexpr,
-    EMULATE: tl.constexpr,
+    EMULATE: tl.constexpr, CHUNKED: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -377,7 +379,7 @@ def _read_kernel(
     rd_h = rd + (s * H + i_h) * (K * V)
     sk_h = sk + (s * H + i_h) * sk_head_stride
     o_c = tl.arange(0, BC)
-    if FAMILY != 2:
+    if FAMILY != 2 and CHUNKED:
         # the buffered tokens j < p, loaded once as tiles; everything but K_b q is shared by the
         # T reads of this call
         kb, wb, _al, g, total = _buffer_tiles(buf_k, buf_w, buf_decay, hb, gb, p, o_c, o_k, o_v, K, V)
@@ -400,8 +402,8 @@ def _read_kernel(
                 )
                 kv, v = _backward(v, kk, dd, bb, FAMILY)
                 acc += kv * ww
-        if FAMILY == 2:
-            # KDA: the buffered tokens p-1..0, one by one
+        if FAMILY == 2 or not CHUNKED:
+            # the buffered tokens p-1..0, one by one (KDA always; the others when not CHUNKED)
             for i in tl.static_range(C):
                 j = C - 1 - i
                 kk, ww, dd, bb = _load_token(
@@ -638,7 +640,7 @@ def spec_verify(
         sk.shape[2] * sk.shape[3],
         T=t, H=h, G=g, K=kd, V=vd, BV=bv, C=pool.capacity, BC=_buffer_block(pool.capacity),
         M=m_rows, FAMILY=FAMILY_ID[family], SKETCH=sketch,
-        HAS_SKIP=x.skip is not None, K_BF16=_keys_bf16(pool), EMULATE=_interpreting(),
+        HAS_SKIP=x.skip is not None, K_BF16=_keys_bf16(pool), EMULATE=_interpreting(), CHUNKED=cfg.chunked,
         num_warps=cfg.num_warps,
     )
     return out

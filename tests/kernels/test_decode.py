@@ -64,7 +64,9 @@ def run_case(
         got = decode.standard_step(family, pool, slots, x, out)
         want = ref.standard_step(family, want_pool, slots, x)
     elif op in ("replay", "sketch", "spec", "spec_sketch"):
-        got = decode.spec_verify(family, pool, slots, pos, x, out, tables=tables if sketch else None)
+        got = decode.spec_verify(
+            family, pool, slots, pos, x, out, tables=tables if sketch else None, config=config
+        )
         want = ref.spec_verify(family, want_pool, slots, pos, x, tables if sketch else None)
     else:
         got = decode.flush(family, pool, slots, pos, x, out, tables=tables if sketch else None, config=config)
@@ -95,12 +97,14 @@ def test_kernel_cpu(family, shape_id, op, dtype):
     run_case(family, op, CPU_SHAPES[family][shape_id], dtype, "cpu", seed=shape_id)
 
 
-@pytest.mark.parametrize("op", ["flush", "flush_sketch"])
-@pytest.mark.parametrize(("family", "chunked"), [("kda", True), ("gdn", False), ("mamba2", False)])
-def test_other_flush_form_cpu(family, chunked, op):
-    """The flush form that is not the family's default (KDA: chunked UT form; Mamba-2 and GDN:
-    token by token), kept as tuning candidates."""
-    assert decode.default_config(op, family).chunked != chunked
+@pytest.mark.parametrize("op", ["replay", "sketch", "flush", "flush_sketch"])
+@pytest.mark.parametrize("family", ["gdn", "kda", "mamba2"])
+def test_other_form_cpu(family, op):
+    """The form each kernel does not use by default (``KernelConfig.chunked`` flipped): closed
+    form vs token-by-token sweep over the buffer. They are tuning candidates (KDA's read is
+    always a sweep)."""
+    kernel = "read" if op in ("replay", "sketch") else op
+    chunked = not decode.default_config(kernel, family).chunked
     config = decode.KernelConfig(32 if chunked else 16, 4 if chunked else 1, chunked=chunked)
     run_case(family, op, CPU_SHAPES[family][1], "fp32", "cpu", seed=4, config=config)
 
