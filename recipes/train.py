@@ -250,6 +250,16 @@ _SECTIONS: dict[str, type] = {
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+def _number(value: Any, key: str) -> float:
+    """A float recipe value. YAML 1.1 reads ``2e-3`` (no dot) as text, so numeric text is accepted."""
+    if isinstance(value, int | float):
+        return float(value)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise SketchcalError(f"recipe key {key!r} must be a number, got {value!r}") from None
+
+
 def _section(cls: type, raw: Any, where: str) -> Any:
     """Build dataclass ``cls`` from a mapping, rejecting unknown keys (typos fail loudly)."""
     if raw is None:
@@ -263,8 +273,11 @@ def _section(cls: type, raw: Any, where: str) -> Any:
     values = dict(raw)
     for f in dataclasses.fields(cls):
         default = f.default if f.default is not dataclasses.MISSING else None
-        if isinstance(default, tuple) and isinstance(values.get(f.name), list):
-            values[f.name] = tuple(values[f.name])
+        value = values.get(f.name)
+        if isinstance(default, tuple) and isinstance(value, list):
+            values[f.name] = tuple(value)
+        if isinstance(default, float) and not isinstance(value, bool) and value is not None:
+            values[f.name] = _number(value, f"{where}.{f.name}")
     if cls is EvalRecipe and "recall" in values:
         items = values["recall"] or []
         if not isinstance(items, list):

@@ -217,3 +217,24 @@ def test_stdlib_sources_leave_the_heldout_packages_out(train):
     chunks = [t[i : i + 100] for t in held for i in range(0, len(t) - 100, 100)]
     shared = sum(chunk in source for chunk in chunks)
     assert len(chunks) > 1000 and shared / len(chunks) < 0.01
+
+
+def test_recipe_overrides_and_bad_values(train):
+    """``--set`` values are YAML; numbers written without a dot (``2e-3``, which YAML 1.1 reads as
+    text) still count as numbers, and anything else fails with one line naming the key."""
+    from sketchcal.errors import SketchcalError
+
+    recipe = train.load_recipe(RECIPES / "gdn.yaml", ["optimizer.lr=2e-3", "recall.curriculum_steps=5"])
+    assert recipe.optimizer.lr == 0.002 and isinstance(recipe.optimizer.lr, float)
+    assert recipe.recall.curriculum_steps == 5
+    bad = [
+        (["optimizer.lr=fast"], "optimizer.lr' must be a number"),
+        (["data.stdlib_sources=1.5"], "stdlib_sources must be in"),
+        (["recall.curriculum_steps=-1"], "curriculum_steps must be >= 0"),
+        (["train.colour=red"], "unknown key"),
+        (["optimizer"], "SECTION.KEY=VALUE"),
+    ]
+    for overrides, message in bad:
+        with pytest.raises(SketchcalError, match=message) as err:
+            train.load_recipe(RECIPES / "gdn.yaml", overrides)
+        assert "\n" not in str(err.value)
