@@ -252,8 +252,6 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 
 def _number(value: Any, key: str) -> float:
     """A float recipe value. YAML 1.1 reads ``2e-3`` (no dot) as text, so numeric text is accepted."""
-    if isinstance(value, int | float):
-        return float(value)
     try:
         return float(value)
     except (TypeError, ValueError):
