@@ -154,6 +154,26 @@ def _backward(v, kk, dd, bb, FAMILY: tl.constexpr):
 
 
 @triton.jit
+def _step_emit(
+    S, q, k, w, decay, beta, skip, out, x_t, i_h, i_g, o_k, o_v, live,
+    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    FAMILY: tl.constexpr, HAS_SKIP: tl.constexpr,
+):
+    """Apply input token ``x_t`` to the [K, BV] tile S and store its output ``Sᵀq (+ skip)``."""
+    kk, ww, dd, bb = _load_token(
+        k, w, decay, beta, (x_t * G + i_g) * K, (x_t * H + i_h) * V, x_t * H + i_h,
+        o_k, o_v, live, K, V, FAMILY,
+    )
+    S = _forward(S, kk, ww, dd, bb, FAMILY)
+    qq = tl.load(q + (x_t * G + i_g) * K + o_k).to(tl.float32)
+    o = tl.sum(S * qq[:, None], axis=0)
+    if HAS_SKIP:
+        o += tl.load(skip + (x_t * H + i_h) * V + o_v).to(tl.float32)
+    tl.store(out + (x_t * H + i_h) * V + o_v, o.to(out.dtype.element_ty))
+    return S
+
+
+@triton.jit
 def _bdot(a, b, acc, EMULATE: tl.constexpr):
     """``acc + a @ b`` for bf16 tiles with fp32 accumulation. ``EMULATE`` (the CPU interpreter,
     whose bf16 dot is wrong) multiplies the same bf16 values as fp32."""
@@ -317,16 +337,8 @@ def _standard_kernel(
     live = s >= 0
     for t in tl.static_range(T):
         x_t = i_b * T + t
-        kk, ww, dd, bb = _load_token(
-            k, w, decay, beta, (x_t * G + i_g) * K, (x_t * H + i_h) * V, x_t * H + i_h,
-            o_k, o_v, live, K, V, FAMILY,
-        )
-        S = _forward(S, kk, ww, dd, bb, FAMILY)
-        qq = tl.load(q + (x_t * G + i_g) * K + o_k).to(tl.float32)
-        o = tl.sum(S * qq[:, None], axis=0)
-        if HAS_SKIP:
-            o += tl.load(skip + (x_t * H + i_h) * V + o_v).to(tl.float32)
-        tl.store(out + (x_t * H + i_h) * V + o_v, o.to(out.dtype.element_ty))
+        S = _step_emit(S, q, k, w, decay, beta, skip, out, x_t, i_h, i_g, o_k, o_v, live,
+                       H, G, K, V, FAMILY, HAS_SKIP)
     tl.store(p_s, S, eviction_policy="evict_first")
 
 
@@ -478,16 +490,8 @@ def _flush_kernel(
             wb = tl.dot(_unit_lower_inverse(low, o_c, LOG2_BC), rhs, input_precision="tf32x3")  # D
         S = S * total + _dot32(tl.trans(kb), wb * g[:, None], K_BF16, EMULATE)
     if HAS_X:
-        kk, ww, dd, bb = _load_token(
-            k, w, decay, beta, (i_b * G + i_g) * K, (i_b * H + i_h) * V, i_b * H + i_h,
-            o_k, o_v, live, K, V, FAMILY,
-        )
-        S = _forward(S, kk, ww, dd, bb, FAMILY)
-        qq = tl.load(q + (i_b * G + i_g) * K + o_k).to(tl.float32)
-        o = tl.sum(S * qq[:, None], axis=0)
-        if HAS_SKIP:
-            o += tl.load(skip + (i_b * H + i_h) * V + o_v).to(tl.float32)
-        tl.store(out + (i_b * H + i_h) * V + o_v, o.to(out.dtype.element_ty))
+        S = _step_emit(S, q, k, w, decay, beta, skip, out, i_b, i_h, i_g, o_k, o_v, live,
+                       H, G, K, V, FAMILY, HAS_SKIP)
     tl.store(p_s, S, eviction_policy="evict_first")
     if HAS_READ:
         p_r = rd + (s * H + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :]
