@@ -48,6 +48,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -492,19 +493,28 @@ def token_stream(tokenizer: Any, texts: list[str]) -> Tensor:
     return torch.tensor(out, dtype=torch.long)
 
 
-def stdlib_source_stream(tokenizer: Any, heldout: Path) -> Tensor:
-    """The running interpreter's standard-library sources, tokenised (``recipes/build_corpus.py``'s
-    file rules; the held-out file's top-level packages left out so that no held-out text is trained on)."""
-    import sysconfig
-
+def corpus_builder() -> ModuleType:
+    """``recipes/build_corpus.py`` as a module (recipes/ is not a package)."""
     sys.path.insert(0, str(ROOT / "recipes"))
     try:
         import build_corpus
     finally:
         sys.path.remove(str(ROOT / "recipes"))
-    docs = build_corpus.source_documents(
-        Path(sysconfig.get_paths()["stdlib"]), build_corpus.heldout_groups(heldout)
-    )
+    return build_corpus
+
+
+def stdlib_source_documents(heldout: Path) -> list[Any]:
+    """The running interpreter's standard-library source files (``recipes/build_corpus.py``'s file
+    rules), minus the held-out file's top-level packages so that no held-out text is trained on."""
+    import sysconfig
+
+    builder = corpus_builder()
+    return builder.source_documents(Path(sysconfig.get_paths()["stdlib"]), builder.heldout_groups(heldout))
+
+
+def stdlib_source_stream(tokenizer: Any, heldout: Path) -> Tensor:
+    """:func:`stdlib_source_documents`, tokenised and joined by eos."""
+    docs = stdlib_source_documents(heldout)
     if not docs:
         raise SketchcalError("data.stdlib_sources: no standard-library source files found; set it to 0")
     return token_stream(tokenizer, [d.text for d in docs])

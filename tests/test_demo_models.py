@@ -44,12 +44,10 @@ def heldout_windows():
 
 
 def _load(name: str):
-    from sketchcal.models import describe, use_torch_path
+    """A built-in model on the CPU (``load_model`` binds the torch reference mixers there)."""
     from sketchcal.models.loading import load_model
 
-    loaded = load_model(f"builtin:{name}", device="cpu", dtype="float32")
-    use_torch_path(describe(loaded.model))
-    return loaded
+    return load_model(f"builtin:{name}", device="cpu", dtype="float32")
 
 
 @pytest.mark.parametrize("family", list(MODEL_TYPES))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -198,19 +197,12 @@ def test_curriculum_raises_the_pair_count(train, tokenizer):
 def test_stdlib_sources_leave_the_heldout_packages_out(train):
     """Training source text skips the held-out packages (named in the corpus LICENSE.md) and shares
     almost no 100-character run with the held-out file."""
-    import sysconfig
-
-    sys.path.insert(0, str(ROOT / "recipes"))
-    try:
-        import build_corpus
-    finally:
-        sys.path.remove(str(ROOT / "recipes"))
     corpus = ROOT / "sketchcal" / "data" / "corpus"
-    groups = build_corpus.heldout_groups(corpus / "heldout.jsonl")
+    groups = train.corpus_builder().heldout_groups(corpus / "heldout.jsonl")
     licence = (corpus / "LICENSE.md").read_text()
     listed = licence.split("whole top-level packages: ", 1)[1].split(")", 1)[0]
     assert groups == set(listed.split(", "))
-    docs = build_corpus.source_documents(Path(sysconfig.get_paths()["stdlib"]), groups)
+    docs = train.stdlib_source_documents(corpus / "heldout.jsonl")
     assert len(docs) > 100 and not {d.group for d in docs} & groups
     source = " ".join(" ".join(d.text for d in docs).split())
     held = [" ".join(json.loads(line)["text"].split()) for line in (corpus / "heldout.jsonl").open()]
