@@ -66,11 +66,13 @@ FAMILY_ID = {"mamba2": 0, "gdn": 1, "kda": 2}
 class KernelConfig:
     """Launch shape: value columns per program and warps per program; ``chunked`` picks the
     closed forms over the buffer (read: Gram form for Mamba-2/GDN; flush: tensor-core chunk) over
-    the token-by-token sweeps (KDA's read is always a sweep)."""
+    the token-by-token sweeps (KDA's read is always a sweep); ``heads`` > 1 lets one read program
+    serve several heads (fewer, longer programs: their loads overlap the previous head's work)."""
 
     block_v: int
     num_warps: int
     chunked: bool = True
+    heads: int = 1  # heads per program, one after another (read kernels; clipped to divide H)
 
 
 # Defaults by (kernel, family); ``block_v`` is clipped to V: the fastest launch shapes on an H200 at
@@ -235,17 +237,20 @@ def _dense_read(v, rd_h, o_k, o_v, V: tl.constexpr):
 
 @triton.jit
 def _checkpoint_read(
-    v, rd_h, sk_h, ranks, maps, i_h, o_k, o_v,
+    v, rd_h, sk_h, m, pm0, st0, maps, i_h, o_k, o_v,
     K: tl.constexpr, V: tl.constexpr, M: tl.constexpr, SKETCH: tl.constexpr,
 ):
-    """``S_cᵀ u`` from the read copy, or ``(R_{:m} S_c)ᵀ (P u)`` for a head of rank m > 0 (in
-    chunks of 8 map rows and sketch rows, so registers do not grow with the largest rank)."""
+    """``S_cᵀ u`` from the read copy, or ``(R_{:m} S_c)ᵀ (P u)`` for a head of rank m > 0.
+
+    ``pm0`` [8, K] and ``st0`` [8, BV] are the first 8 map and sketch rows, loaded by the caller
+    before the buffer work so that their latency overlaps it; rows past 8 follow in chunks of 8
+    (registers do not grow with the largest rank)."""
     if SKETCH:
-        m = tl.load(ranks + i_h)
         if m > 0:
+            coeff = tl.sum(pm0 * v[None, :], axis=1)
+            o = tl.sum(st0.to(tl.float32) * coeff[:, None], axis=0)
             o_r = tl.arange(0, 8)
-            o = tl.zeros(o_v.shape, dtype=tl.float32)
-            for r0 in range(0, m, 8):
+            for r0 in range(8, m, 8):
                 rows = (r0 + o_r)[:, None] < m
                 pm = tl.load(maps + (i_h * M + r0 + o_r[:, None]) * K + o_k[None, :], mask=rows, other=0.0)
                 coeff = tl.sum(pm.to(tl.float32) * v[None, :], axis=1)
@@ -350,95 +355,109 @@ def _read_kernel(
     T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, M: tl.constexpr,
     FAMILY: tl.constexpr, SKETCH: tl.constexpr, HAS_SKIP: tl.constexpr, K_BF16: tl.constexpr,
-    EMULATE: tl.constexpr, CHUNKED: tl.constexpr,
+    EMULATE: tl.constexpr, CHUNKED: tl.constexpr, HPP: tl.constexpr,
 ):
     i_v = tl.program_id(0)
-    i_h = tl.program_id(1)
+    i_hb = tl.program_id(1)
     i_b = tl.program_id(2)
+    # loads that depend on nothing are issued together, before the first branch
     s = tl.load(slots + i_b).to(tl.int64)
+    p = tl.load(pos + i_b)
     if s < 0:
         return
-    p = tl.load(pos + i_b)
-    i_g = i_h // (H // G)
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
-    live = s >= 0
-    hb = (s * H + i_h) * C  # this head's first buffer entry
-    gb = (s * G + i_g) * C  # this group's first buffer entry
-    # append the T new tokens at p, p+1, ...: each program writes its w tile; the first tile writes
-    # decay and beta, and the first head of the group its k. Reads below touch entries < p only.
-    for t in tl.static_range(T):
-        jw = p + t
-        ok = jw < C
-        x_t = i_b * T + t
-        w_new = tl.load(w + (x_t * H + i_h) * V + o_v)
-        tl.store(buf_w + (hb + jw) * V + o_v, w_new.to(buf_w.dtype.element_ty), mask=o_v < tl.where(ok, V, 0))
-        if i_v == 0:
-            if FAMILY == 2:
-                d_new = tl.load(decay + (x_t * H + i_h) * K + o_k)
-                mk = o_k < tl.where(ok, K, 0)
-                tl.store(buf_decay + (hb + jw) * K + o_k, d_new.to(buf_decay.dtype.element_ty), mask=mk)
-            else:
-                d_new = tl.load(decay + x_t * H + i_h)
-                tl.store(buf_decay + hb + jw, d_new.to(buf_decay.dtype.element_ty), mask=ok)
-            if FAMILY != 0:
-                b_new = tl.load(beta + x_t * H + i_h)
-                tl.store(buf_beta + hb + jw, b_new.to(buf_beta.dtype.element_ty), mask=ok)
-            if i_h % (H // G) == 0:
-                k_new = tl.load(k + (x_t * G + i_g) * K + o_k)
-                mk = o_k < tl.where(ok, K, 0)
-                tl.store(buf_k + (gb + jw) * K + o_k, k_new.to(buf_k.dtype.element_ty), mask=mk)
-    rd_h = rd + (s * H + i_h) * (K * V)
-    sk_h = sk + (s * H + i_h) * sk_head_stride
-    o_c = tl.arange(0, BC)
-    if FAMILY != 2 and CHUNKED:
-        # the buffered tokens j < p, loaded once as tiles; everything but K_b q is shared by the
-        # T reads of this call
-        kb, wb, _al, g, total = _buffer_tiles(buf_k, buf_w, buf_decay, hb, gb, p, o_c, o_k, o_v, K, V)
-        if FAMILY == 1:
-            bt = tl.load(buf_beta + hb + o_c, mask=o_c < p, other=0.0).to(tl.float32)
-            # U_{ji} = β_i G_{ji} for i > j: the back-substitution z = (I + U)⁻¹ K_b q
-            upper = tl.where(o_c[None, :] > o_c[:, None], _gram(kb, K_BF16, EMULATE) * bt[None, :], 0.0)
-    for t in tl.static_range(T):
-        x_t = i_b * T + t
-        v = tl.load(q + (x_t * G + i_g) * K + o_k).to(tl.float32)
-        acc = tl.zeros([BV], dtype=tl.float32)
-        # the new tokens t..0, one by one
-        for i in tl.static_range(T):
-            d = T - 1 - i
-            if d <= t:
-                x_d = i_b * T + d
-                kk, ww, dd, bb = _load_token(
-                    k, w, decay, beta, (x_d * G + i_g) * K, (x_d * H + i_h) * V, x_d * H + i_h,
-                    o_k, o_v, live, K, V, FAMILY,
-                )
-                kv, v = _backward(v, kk, dd, bb, FAMILY)
-                acc += kv * ww
-        if FAMILY == 2 or not CHUNKED:
-            # the buffered tokens p-1..0, one by one (KDA always; the others when not CHUNKED)
-            for i in tl.static_range(C):
-                j = C - 1 - i
-                kk, ww, dd, bb = _load_token(
-                    buf_k, buf_w, buf_decay, buf_beta, (gb + j) * K, (hb + j) * V, hb + j,
-                    o_k, o_v, j < p, K, V, FAMILY,
-                )
-                kv, v = _backward(v, kk, dd, bb, FAMILY)
-                acc += kv * ww
+    for hh in tl.static_range(HPP):  # HPP heads per program, one after another
+        i_h = i_hb * HPP + hh
+        m = tl.load(ranks + i_h) if SKETCH else 0
+        i_g = i_h // (H // G)
+        o_k = tl.arange(0, K)
+        o_v = i_v * BV + tl.arange(0, BV)
+        live = s >= 0
+        sk_h = sk + (s * H + i_h) * sk_head_stride
+        if SKETCH:
+            # the first 8 map and sketch rows, in flight while the buffer is worked through
+            o_r8 = tl.arange(0, 8)
+            rows8 = o_r8[:, None] < m
+            pm0 = tl.load(maps + (i_h * M + o_r8[:, None]) * K + o_k[None, :], mask=rows8, other=0.0)
+            st0 = tl.load(sk_h + o_r8[:, None] * V + o_v[None, :], mask=rows8, other=0.0)
         else:
-            z = tl.sum(kb.to(tl.float32) * v[None, :], axis=1)  # K_b q
+            pm0 = tl.zeros([8, K], dtype=tl.float32)
+            st0 = tl.zeros([8, BV], dtype=tl.float32)
+        hb = (s * H + i_h) * C  # this head's first buffer entry
+        gb = (s * G + i_g) * C  # this group's first buffer entry
+        # append the T new tokens at p, p+1, ...: each program writes its w tile; the first tile writes
+        # decay and beta, and the first head of the group its k. Reads below touch entries < p only.
+        for t in tl.static_range(T):
+            jw = p + t
+            ok = jw < C
+            x_t = i_b * T + t
+            w_new = tl.load(w + (x_t * H + i_h) * V + o_v)
+            mw = o_v < tl.where(ok, V, 0)
+            tl.store(buf_w + (hb + jw) * V + o_v, w_new.to(buf_w.dtype.element_ty), mask=mw)
+            if i_v == 0:
+                if FAMILY == 2:
+                    d_new = tl.load(decay + (x_t * H + i_h) * K + o_k)
+                    mk = o_k < tl.where(ok, K, 0)
+                    tl.store(buf_decay + (hb + jw) * K + o_k, d_new.to(buf_decay.dtype.element_ty), mask=mk)
+                else:
+                    d_new = tl.load(decay + x_t * H + i_h)
+                    tl.store(buf_decay + hb + jw, d_new.to(buf_decay.dtype.element_ty), mask=ok)
+                if FAMILY != 0:
+                    b_new = tl.load(beta + x_t * H + i_h)
+                    tl.store(buf_beta + hb + jw, b_new.to(buf_beta.dtype.element_ty), mask=ok)
+                if i_h % (H // G) == 0:
+                    k_new = tl.load(k + (x_t * G + i_g) * K + o_k)
+                    mk = o_k < tl.where(ok, K, 0)
+                    tl.store(buf_k + (gb + jw) * K + o_k, k_new.to(buf_k.dtype.element_ty), mask=mk)
+        rd_h = rd + (s * H + i_h) * (K * V)
+        o_c = tl.arange(0, BC)
+        if FAMILY != 2 and CHUNKED:
+            # the buffered tokens j < p, loaded once as tiles; everything but K_b q is shared by the
+            # T reads of this call
+            kb, wb, _al, g, total = _buffer_tiles(buf_k, buf_w, buf_decay, hb, gb, p, o_c, o_k, o_v, K, V)
             if FAMILY == 1:
-                for i in range(0, p):
-                    j = p - 1 - i
-                    z_j = tl.sum(tl.where(o_c == j, z, 0.0), axis=0)
-                    col = tl.sum(tl.where(o_c[None, :] == j, upper, 0.0), axis=1)
-                    z = z - col * z_j  # rows < j only: z_j itself is final
-                v = v - tl.sum((bt * z)[:, None] * kb.to(tl.float32), axis=0)
-            acc += tl.sum((g * z)[:, None] * wb, axis=0)
-            v = v * total
-        o = acc + _checkpoint_read(v, rd_h, sk_h, ranks, maps, i_h, o_k, o_v, K, V, M, SKETCH)
-        if HAS_SKIP:
-            o += tl.load(skip + (x_t * H + i_h) * V + o_v).to(tl.float32)
-        tl.store(out + (x_t * H + i_h) * V + o_v, o.to(out.dtype.element_ty))
+                bt = tl.load(buf_beta + hb + o_c, mask=o_c < p, other=0.0).to(tl.float32)
+                # U_{ji} = β_i G_{ji} for i > j: the back-substitution z = (I + U)⁻¹ K_b q
+                upper = tl.where(o_c[None, :] > o_c[:, None], _gram(kb, K_BF16, EMULATE) * bt[None, :], 0.0)
+        for t in tl.static_range(T):
+            x_t = i_b * T + t
+            v = tl.load(q + (x_t * G + i_g) * K + o_k).to(tl.float32)
+            acc = tl.zeros([BV], dtype=tl.float32)
+            # the new tokens t..0, one by one
+            for i in tl.static_range(T):
+                d = T - 1 - i
+                if d <= t:
+                    x_d = i_b * T + d
+                    kk, ww, dd, bb = _load_token(
+                        k, w, decay, beta, (x_d * G + i_g) * K, (x_d * H + i_h) * V, x_d * H + i_h,
+                        o_k, o_v, live, K, V, FAMILY,
+                    )
+                    kv, v = _backward(v, kk, dd, bb, FAMILY)
+                    acc += kv * ww
+            if FAMILY == 2 or not CHUNKED:
+                # the buffered tokens p-1..0, one by one (KDA always; the others when not CHUNKED)
+                for i in tl.static_range(C):
+                    j = C - 1 - i
+                    kk, ww, dd, bb = _load_token(
+                        buf_k, buf_w, buf_decay, buf_beta, (gb + j) * K, (hb + j) * V, hb + j,
+                        o_k, o_v, j < p, K, V, FAMILY,
+                    )
+                    kv, v = _backward(v, kk, dd, bb, FAMILY)
+                    acc += kv * ww
+            else:
+                z = tl.sum(kb.to(tl.float32) * v[None, :], axis=1)  # K_b q
+                if FAMILY == 1:
+                    for i in range(0, p):
+                        j = p - 1 - i
+                        z_j = tl.sum(tl.where(o_c == j, z, 0.0), axis=0)
+                        col = tl.sum(tl.where(o_c[None, :] == j, upper, 0.0), axis=1)
+                        z = z - col * z_j  # rows < j only: z_j itself is final
+                    v = v - tl.sum((bt * z)[:, None] * kb.to(tl.float32), axis=0)
+                acc += tl.sum((g * z)[:, None] * wb, axis=0)
+                v = v * total
+            o = acc + _checkpoint_read(v, rd_h, sk_h, m, pm0, st0, maps, i_h, o_k, o_v, K, V, M, SKETCH)
+            if HAS_SKIP:
+                o += tl.load(skip + (x_t * H + i_h) * V + o_v).to(tl.float32)
+            tl.store(out + (x_t * H + i_h) * V + o_v, o.to(out.dtype.element_ty))
 
 
 @triton.jit
@@ -500,7 +519,15 @@ def _flush_kernel(
             tl.store(p_r, S.to(rd.dtype.element_ty), mask=o_k[:, None] < r)
         else:
             tl.store(p_r, S.to(rd.dtype.element_ty))
-    if SKETCH_OUT:
+    if SKETCH_OUT and not CHUNKED:
+        # R_{:m} S row by row on the FMA units: the sweep's tile layout is not a tensor-core
+        # operand's, and converting it costs more than the m reductions over K
+        m = tl.load(ranks + i_h)
+        p_sk = sk + (s * H + i_h) * sk_head_stride + o_v
+        for r in range(0, m):
+            rrow = tl.load(frames + (i_g * K + r) * K + o_k)
+            tl.store(p_sk + r * V, tl.sum(S * rrow[:, None], axis=0).to(sk.dtype.element_ty))
+    elif SKETCH_OUT:
         # R_{:m} S in chunks of 16 rows (tensor-core dots)
         m = tl.load(ranks + i_h)
         o_r = tl.arange(0, 16)
@@ -543,6 +570,14 @@ def _dims(family: str, x: StepInputs, heads: int) -> tuple[int, int, int, int, i
     if not (x.k.is_cuda or _interpreting()):
         raise RuntimeError("the decode kernels need a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
     return b, t, g, kd, vd, heads
+
+
+def _heads_per_program(cfg: KernelConfig, heads: int, groups: int) -> int:
+    """``cfg.heads`` lowered to a divisor of H."""
+    hpp = max(1, min(cfg.heads, heads))
+    while heads % hpp:
+        hpp -= 1
+    return hpp
 
 
 def _block_v(cfg: KernelConfig, vd: int) -> int:
@@ -636,7 +671,8 @@ def spec_verify(
     out = _out(out, x, h, t)
     sk = pool.sketch if sketch else pool.read
     m_rows = tables.map_rows if sketch else 1
-    _read_kernel[(vd // bv, h, b)](
+    hpp = _heads_per_program(cfg, h, g)
+    _read_kernel[(vd // bv, h // hpp, b)](
         slots, pos, x.q, x.k, x.w, x.decay, _beta(x), x.skip if x.skip is not None else x.w, out,
         pool.buf_k, pool.buf_w, pool.buf_decay,
         pool.buf_beta if pool.buf_beta is not None else pool.buf_decay,
@@ -645,7 +681,7 @@ def spec_verify(
         T=t, H=h, G=g, K=kd, V=vd, BV=bv, C=pool.capacity, BC=_buffer_block(pool.capacity),
         M=m_rows, FAMILY=FAMILY_ID[family], SKETCH=sketch,
         HAS_SKIP=x.skip is not None, K_BF16=_keys_bf16(pool), EMULATE=_interpreting(), CHUNKED=cfg.chunked,
-        num_warps=cfg.num_warps,
+        HPP=hpp, num_warps=cfg.num_warps,
     )
     return out
 

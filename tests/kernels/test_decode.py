@@ -109,6 +109,16 @@ def test_other_form_cpu(family, op):
     run_case(family, op, CPU_SHAPES[family][1], "fp32", "cpu", seed=4, config=config)
 
 
+@pytest.mark.parametrize("op", ["sketch", "spec_sketch", "replay"])
+@pytest.mark.parametrize("family", ["gdn", "kda", "mamba2"])
+def test_heads_per_program_cpu(family, op):
+    """Read programs serving several heads each (``KernelConfig.heads``): 2 and 4 heads, the closed
+    and the sweep forms, bf16."""
+    for heads, chunked in ((2, True), (4, False)):
+        config = decode.KernelConfig(16, 1, chunked=chunked, heads=heads)
+        run_case(family, op, CPU_SHAPES[family][0], "bf16", "cpu", seed=5, config=config)
+
+
 def test_bf16_read_copy_is_close_to_exact():
     """A bf16 read copy costs at most bf16 accuracy against the exact fp32 checkpoint."""
     family, (h, g, kd, vd) = "gdn", CPU_SHAPES["gdn"][0]
@@ -141,3 +151,21 @@ def test_bad_inputs_raise():
 def test_kernel_gpu(family, op, dtype):
     run_case(family, op, GPU_SHAPES[family], dtype, "cuda", seed=7, real=True)
 
+
+
+def _candidates() -> list[tuple[str, str, tuple]]:
+    from sketchcal.kernels.bench import TUNE_CANDIDATES
+
+    cases = []
+    for family in FAMILIES:
+        for op, group in (("sketch", "read"), ("flush_sketch", "flush")):
+            cases += [(family, op, cand) for cand in TUNE_CANDIDATES[group][family]]
+    return cases
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("family", "op", "cand"), _candidates())
+def test_tuning_candidates_gpu(family, op, cand):
+    """Every launch shape the benchmark may pick (and make a default) is right at the real shape."""
+    config = decode.KernelConfig(min(cand[0], GPU_SHAPES[family][3]), *cand[1:])
+    run_case(family, op, GPU_SHAPES[family], "bf16", "cuda", seed=11, real=True, config=config)

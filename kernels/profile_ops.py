@@ -1,0 +1,82 @@
+"""Launch one decode kernel a few times at the benchmark's shapes, for a profiler to attach to.
+
+Run from the repository root on a CUDA machine, under Nsight Compute for example::
+
+    ncu --clock-control none --set full -k regex:_read_kernel --launch-skip 2 --launch-count 1 \\
+        python3 kernels/profile_ops.py gdn sketch_step
+
+``OP`` is one of ``standard``, ``replay_step``, ``sketch_step``, ``replay_flush``,
+``sketch_flush``. The window kernels run with ``pos`` = 8 buffered tokens (a mid-window step);
+the flushes with 15. Each op is launched three times (the first compiles), with the default
+launch shapes unless ``--block-v``/``--warps``/``--sweep`` say otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_check import bootstrap
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("family")
+    ap.add_argument("op")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--block-v", type=int)
+    ap.add_argument("--warps", type=int)
+    ap.add_argument("--sweep", action="store_true", help="token-by-token forms (chunked=False)")
+    ap.add_argument("--heads", type=int, default=1, help="heads per read program")
+    args = ap.parse_args()
+    bootstrap()
+    import torch
+
+    from sketchcal.kernels.bench import MODEL_SHAPES
+    from sketchcal.kernels.common import decode
+    from sketchcal.kernels.common.pool import allocate_pool, random_sketch, rank_spread
+    from sketchcal.kernels.common.testing import random_inputs
+
+    family, b = args.family, args.batch
+    shape = MODEL_SHAPES[family]
+    h, g, kd, vd = shape.heads, shape.groups, shape.key_dim, shape.value_dim
+    tables = random_sketch(family, rank_spread(h, 8, kd), g, kd, torch.Generator().manual_seed(0)).to("cuda")
+    pool = allocate_pool(family, b, h, g, kd, vd, capacity=16, read_dtype=torch.bfloat16,
+                         sketch_rows=tables.map_rows, device="cuda")
+    pool.state.normal_(0.0, 0.3)
+    pool.read.copy_(pool.state)
+    pool.sketch.normal_(0.0, 0.3)
+    for t in (pool.buf_k, pool.buf_w):
+        t.normal_(0.0, 0.1)
+    pool.buf_decay.uniform_(0.9, 1.0)
+    if pool.buf_beta is not None:
+        pool.buf_beta.uniform_(0.0, 1.0)
+    slots = torch.arange(b, dtype=torch.int32, device="cuda")
+    x = random_inputs(family, b, 1, h, g, kd, vd, device="cuda")
+    out = torch.empty_like(x.w)
+    kind = {"standard": "standard", "replay_step": "read", "sketch_step": "read",
+            "replay_flush": "flush", "sketch_flush": "flush_sketch"}[args.op]
+    base = decode.default_config(kind, family)
+    cfg = decode.KernelConfig(args.block_v or base.block_v, args.warps or base.num_warps,
+                              chunked=base.chunked and not args.sweep, heads=args.heads)
+    pos = torch.full((b,), 15 if "flush" in args.op else 8, dtype=torch.int32, device="cuda")
+    for _ in range(3):
+        if args.op == "standard":
+            decode.standard_step(family, pool.state, slots, x, out, config=cfg)
+        elif args.op == "replay_step":
+            decode.replay_step(family, pool, slots, pos, x, out, config=cfg)
+        elif args.op == "sketch_step":
+            decode.sketch_step(family, pool, tables, slots, pos, x, out, config=cfg)
+        elif args.op == "replay_flush":
+            decode.flush(family, pool, slots, pos, x, out, config=cfg)
+        else:
+            decode.flush(family, pool, slots, pos, x, out, tables=tables, config=cfg)
+    torch.cuda.synchronize()
+    print(f"{family} {args.op} {cfg}: ok")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Registers and spills of the decode kernels, compiled offline for a CUDA target (no GPU needed).
+
+Run from the repository root with the package installed (``pip install -e .``)::
+
+    python kernels/resources.py                 # every kernel, default launch shapes, sm_90
+    python kernels/resources.py read gdn 64 1 sweep heads2   # one build: kernel family BV warps [...]
+
+Prints one line per build: kernel, family, mode, launch shape, registers per thread, stack
+bytes (spills), and the occupancy those registers allow (warps per SM out of 64, from the 64 K-register
+file). Triton's ``ptxas`` does the register allocation, so the numbers are those the device gets
+from the same Triton version (the device may run another).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from sketchcal.kernels.bench import MODEL_SHAPES
+from sketchcal.kernels.common import decode as D
+
+TARGET = GPUTarget("cuda", 90, 32)
+PTR = {
+    "slots": "*i32", "pos": "*i32", "ranks": "*i32", "read_rows": "*i32",
+    "q": "*bf16", "k": "*bf16", "w": "*bf16", "skip": "*bf16", "out": "*bf16",
+    "buf_k": "*bf16", "buf_w": "*bf16", "rd": "*bf16", "sk": "*bf16", "frames": "*fp32", "maps": "*fp32",
+    "sk_head_stride": "i32",
+}
+
+
+def _compile(fn, consts: dict, num_warps: int):
+    sig = {n: "constexpr" if n in consts else PTR.get(n, "*fp32") for n in fn.arg_names}
+    # as at a real launch: every pointer (torch allocations) and the strides are 16-divisible
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in consts}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=TARGET,
+                          options=dict(num_warps=num_warps))
+
+
+def build(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True):
+    """Compile one kernel at the benchmark shape of ``family``; returns Triton's compiled kernel."""
+    s = MODEL_SHAPES[family]
+    fam = D.FAMILY_ID[family]
+    bv = min(cfg.block_v, s.value_dim)
+    common = dict(H=s.heads, G=s.groups, K=s.key_dim, V=s.value_dim, BV=bv, FAMILY=fam,
+                  HAS_SKIP=family == "mamba2")
+    if kernel == "standard":
+        return _compile(D._standard_kernel, dict(T=1, **common), cfg.num_warps)
+    if kernel == "read":
+        consts = dict(T=1, C=16, BC=16, M=32, SKETCH=sketch, K_BF16=True, EMULATE=False,
+                      CHUNKED=cfg.chunked, HPP=cfg.heads, **common)
+        return _compile(D._read_kernel, consts, cfg.num_warps)
+    consts = dict(C=16, BC=16, LOG2_BC=4, HAS_X=True, HAS_READ=True, ROWS=sketch, SKETCH_OUT=sketch,
+                  K_BF16=True, SKETCH_PREC="tf32", EMULATE=False, CHUNKED=cfg.chunked, **common)
+    return _compile(D._flush_kernel, consts, cfg.num_warps)
+
+
+def resource_usage(cubin: bytes) -> tuple[int, int]:
+    """(registers per thread, spill bytes) from ``cuobjdump --dump-resource-usage``."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
+        fh.write(cubin)
+        fh.flush()
+        text = subprocess.run([str(tool), "--dump-resource-usage", fh.name], capture_output=True,
+                              text=True, check=True).stdout
+    regs = int(re.search(r"REG:(\d+)", text).group(1))
+    stack = int(re.search(r"STACK:(\d+)", text).group(1))
+    return regs, stack
+
+
+def report(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True) -> str:
+    regs, spills = resource_usage(build(kernel, family, cfg, sketch).asm["cubin"])
+    warps = min(64, (65536 // max(1, regs * 32)) // cfg.num_warps * cfg.num_warps)
+    mode = ("sketch" if sketch else "replay") if kernel != "standard" else "-"
+    form = "chunked" if cfg.chunked else "sweep"
+    return (f"{kernel:8s} {family:6s} {mode:6s} BV={cfg.block_v:<3d} warps={cfg.num_warps} {form:7s} "
+            f"heads={cfg.heads} regs={regs:3d} stack={spills:5d}B  occupancy≤{warps}/64 warps")
+
+
+def main(argv: list[str]) -> None:
+    if argv:
+        kernel, family, bv, nw, *rest = argv
+        heads = [int(a[5:]) for a in rest if a.startswith("heads")]
+        cfg = D.KernelConfig(int(bv), int(nw), chunked="sweep" not in rest, heads=heads[0] if heads else 1)
+        print(report(kernel, family, cfg, sketch="replay" not in rest), flush=True)
+        return
+    for family in ("gdn", "kda", "mamba2"):
+        print(report("standard", family, D.default_config("standard", family)), flush=True)
+        for sketch in (False, True):
+            print(report("read", family, D.default_config("read", family), sketch), flush=True)
+            kind = "flush_sketch" if sketch else "flush"
+            print(report("flush", family, D.default_config(kind, family), sketch), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
