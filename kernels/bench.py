@@ -63,15 +63,15 @@ READ_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # block_v is clipped to V. The standard step keeps the shape tuned earlier (BENCHMARKS.md).
 TUNE_CANDIDATES: dict[str, dict[str, list[tuple]]] = {
     "standard": {f: [(64, 4)] for f in ("mamba2", "gdn", "kda")},
-    "read": {  # (block_v, num_warps, chunked, heads per program)
-        "mamba2": [(64, 1), (64, 2), (64, 1, False), (64, 1, True, 2), (64, 2, True, 4)],
-        "gdn": [(64, 1, False), (128, 2, False), (128, 4, False), (64, 1, False, 2), (128, 4, True)],
-        "kda": [(64, 1), (128, 2), (128, 4), (64, 1, True, 2), (32, 1)],
+    "read": {
+        "mamba2": [(64, 1), (64, 1, False)],
+        "gdn": [(64, 1, False), (64, 1), (128, 2, False)],
+        "kda": [(64, 1), (32, 1)],
     },
     "flush": {
-        "mamba2": [(64, 4), (32, 4), (16, 1, False)],
-        "gdn": [(64, 4), (16, 1, False), (32, 1, False), (32, 2, False)],
-        "kda": [(128, 8, True), (16, 1, False), (32, 1, False), (32, 2, False)],
+        "mamba2": [(64, 4), (32, 4), (16, 1, False), (32, 2, False)],
+        "gdn": [(64, 4), (16, 1, False), (32, 2, False), (64, 4, False)],
+        "kda": [(16, 1, False), (32, 2, False), (64, 4, False)],
     },
 }
 
@@ -310,9 +310,9 @@ def _configs(family: str, configs: dict[str, KernelConfig] | None) -> dict[str, 
     d = decode.default_config
     out = dict(
         standard=d("standard", family),
-        replay=d("read", family),
-        sketch=d("read", family),
-        flush_replay=d("flush", family),
+        replay=d("replay", family),
+        sketch=d("sketch", family),
+        flush_replay=d("flush_replay", family),
         flush_sketch=d("flush_sketch", family),
     )
     out.update(configs or {})

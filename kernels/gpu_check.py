@@ -7,6 +7,8 @@ Run from the repository root on a CUDA machine (no install needed)::
     python kernels/gpu_check.py bench256 [FAMILY…] # batch 256 (tuned) only
     python kernels/gpu_check.py warm FAMILY       # compile every tuning candidate (tiny batch)
     python kernels/gpu_check.py oneshot [SECONDS] # one short device call: see :func:`oneshot`
+    python kernels/gpu_check.py final             # bench (tuned at 256, then 64 and 512), then every
+                                                  # gpu test with the tuned shapes as the defaults
 
 Logs and ``bench.json`` go to ``$OUT`` (default ``./gpu_out``). The public anchors are used when
 importable: fla 0.6.0 (``fla-core`` wheel) for GDN and KDA, ``mamba_ssm``'s
@@ -112,7 +114,7 @@ def oneshot(budget_s: float = 110.0) -> None:
 
 def run_benches(
     families: list[str], batches: tuple[int, ...] = (64, 512), deadline: float | None = None
-) -> None:
+) -> list[dict]:
     """Per family: batch 256 with launch-shape tuning, then ``batches`` with the tuned shapes.
     A family not started 5 s before ``deadline`` (a ``time.time()`` value) is skipped."""
     import torch
@@ -146,6 +148,23 @@ def run_benches(
         with open(out / "bench.json", "w") as fh:
             json.dump(results, fh, indent=1, default=str)
         _summary(results, out)
+    return results
+
+
+def adopt_tuned(results: list[dict]) -> dict:
+    """Make the launch shapes tuned at batch 256 the process's ``DEFAULT_CONFIGS`` (so that the
+    ``gpu`` tests run afterwards check exactly what was timed); returns them, JSON-able."""
+    from sketchcal.kernels.common import decode
+
+    tuned = {}
+    for r in results:
+        if r["batch"] != 256:
+            continue
+        for kernel, cfg in r["configs"].items():
+            decode.DEFAULT_CONFIGS[(kernel, r["family"])] = decode.KernelConfig(**cfg)
+            tuned[f"{kernel}/{r['family']}"] = cfg
+    (out_dir() / "tuned_defaults.json").write_text(json.dumps(tuned, indent=1))
+    return tuned
 
 
 def _summary(results: list[dict], out: Path) -> None:
@@ -182,6 +201,9 @@ def main(argv: list[str]) -> int:
         run_benches(families, batches=())
     elif what == "warm":
         warm(argv[1])
+    elif what == "final":
+        adopt_tuned(run_benches(["gdn", "kda", "mamba2"], deadline=time.time() + 420))
+        return int(run_tests())
     elif what == "oneshot":
         oneshot(float(argv[1]) if len(argv) > 1 else 110.0)
     return 0

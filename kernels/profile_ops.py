@@ -30,7 +30,6 @@ def main() -> None:
     ap.add_argument("--block-v", type=int)
     ap.add_argument("--warps", type=int)
     ap.add_argument("--sweep", action="store_true", help="token-by-token forms (chunked=False)")
-    ap.add_argument("--heads", type=int, default=1, help="heads per read program")
     args = ap.parse_args()
     bootstrap()
     import torch
@@ -57,11 +56,11 @@ def main() -> None:
     slots = torch.arange(b, dtype=torch.int32, device="cuda")
     x = random_inputs(family, b, 1, h, g, kd, vd, device="cuda")
     out = torch.empty_like(x.w)
-    kind = {"standard": "standard", "replay_step": "read", "sketch_step": "read",
-            "replay_flush": "flush", "sketch_flush": "flush_sketch"}[args.op]
+    kind = {"standard": "standard", "replay_step": "replay", "sketch_step": "sketch",
+            "replay_flush": "flush_replay", "sketch_flush": "flush_sketch"}[args.op]
     base = decode.default_config(kind, family)
     cfg = decode.KernelConfig(args.block_v or base.block_v, args.warps or base.num_warps,
-                              chunked=base.chunked and not args.sweep, heads=args.heads)
+                              chunked=base.chunked and not args.sweep)
     pos = torch.full((b,), 15 if "flush" in args.op else 8, dtype=torch.int32, device="cuda")
     for _ in range(3):
         if args.op == "standard":

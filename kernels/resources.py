@@ -3,7 +3,7 @@
 Run from the repository root with the package installed (``pip install -e .``)::
 
     python kernels/resources.py                 # every kernel, default launch shapes, sm_90
-    python kernels/resources.py read gdn 64 1 sweep heads2   # one build: kernel family BV warps [...]
+    python kernels/resources.py read gdn 64 1 sweep   # one build: kernel family BV warps [sweep] [replay]
 
 Prints one line per build: kernel, family, mode, launch shape, registers per thread, stack
 bytes (spills), and the occupancy those registers allow (warps per SM out of 64, from the 64 K-register
@@ -54,7 +54,7 @@ def build(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True):
         return _compile(D._standard_kernel, dict(T=1, **common), cfg.num_warps)
     if kernel == "read":
         consts = dict(T=1, C=16, BC=16, M=32, SKETCH=sketch, K_BF16=True, EMULATE=False,
-                      CHUNKED=cfg.chunked, HPP=cfg.heads, **common)
+                      CHUNKED=cfg.chunked, **common)
         return _compile(D._read_kernel, consts, cfg.num_warps)
     consts = dict(C=16, BC=16, LOG2_BC=4, HAS_X=True, HAS_READ=True, ROWS=sketch, SKETCH_OUT=sketch,
                   K_BF16=True, SKETCH_PREC="tf32", EMULATE=False, CHUNKED=cfg.chunked, **common)
@@ -80,21 +80,21 @@ def report(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True) -
     mode = ("sketch" if sketch else "replay") if kernel != "standard" else "-"
     form = "chunked" if cfg.chunked else "sweep"
     return (f"{kernel:8s} {family:6s} {mode:6s} BV={cfg.block_v:<3d} warps={cfg.num_warps} {form:7s} "
-            f"heads={cfg.heads} regs={regs:3d} stack={spills:5d}B  occupancy≤{warps}/64 warps")
+            f"regs={regs:3d} stack={spills:5d}B  occupancy≤{warps}/64 warps")
 
 
 def main(argv: list[str]) -> None:
     if argv:
         kernel, family, bv, nw, *rest = argv
-        heads = [int(a[5:]) for a in rest if a.startswith("heads")]
-        cfg = D.KernelConfig(int(bv), int(nw), chunked="sweep" not in rest, heads=heads[0] if heads else 1)
+        cfg = D.KernelConfig(int(bv), int(nw), chunked="sweep" not in rest)
         print(report(kernel, family, cfg, sketch="replay" not in rest), flush=True)
         return
     for family in ("gdn", "kda", "mamba2"):
         print(report("standard", family, D.default_config("standard", family)), flush=True)
         for sketch in (False, True):
-            print(report("read", family, D.default_config("read", family), sketch), flush=True)
-            kind = "flush_sketch" if sketch else "flush"
+            mode = "sketch" if sketch else "replay"
+            print(report("read", family, D.default_config(mode, family), sketch), flush=True)
+            kind = f"flush_{mode}"
             print(report("flush", family, D.default_config(kind, family), sketch), flush=True)
 
 

@@ -66,13 +66,11 @@ FAMILY_ID = {"mamba2": 0, "gdn": 1, "kda": 2}
 class KernelConfig:
     """Launch shape: value columns per program and warps per program; ``chunked`` picks the
     closed forms over the buffer (read: Gram form for Mamba-2/GDN; flush: tensor-core chunk) over
-    the token-by-token sweeps (KDA's read is always a sweep); ``heads`` > 1 lets one read program
-    serve several heads (fewer, longer programs: their loads overlap the previous head's work)."""
+    the token-by-token sweeps (KDA's read is always a sweep)."""
 
     block_v: int
     num_warps: int
     chunked: bool = True
-    heads: int = 1  # heads per program, one after another (read kernels; clipped to divide H)
 
 
 # Defaults by (kernel, family); ``block_v`` is clipped to V: the fastest launch shapes on an H200 at
@@ -83,15 +81,18 @@ DEFAULT_CONFIGS: dict[tuple[str, str], KernelConfig] = {
     ("standard", "mamba2"): KernelConfig(64, 4),
     ("standard", "gdn"): KernelConfig(64, 4),
     ("standard", "kda"): KernelConfig(64, 4),
-    ("read", "mamba2"): KernelConfig(64, 1),
-    ("read", "gdn"): KernelConfig(64, 1),
-    ("read", "kda"): KernelConfig(64, 1),
-    ("flush", "mamba2"): KernelConfig(32, 4),
-    ("flush", "gdn"): KernelConfig(64, 4),
-    ("flush", "kda"): KernelConfig(16, 1, chunked=False),
+    ("replay", "mamba2"): KernelConfig(64, 1),
+    ("replay", "gdn"): KernelConfig(64, 1, chunked=False),
+    ("replay", "kda"): KernelConfig(64, 1),
+    ("sketch", "mamba2"): KernelConfig(64, 1, chunked=False),
+    ("sketch", "gdn"): KernelConfig(64, 1, chunked=False),
+    ("sketch", "kda"): KernelConfig(64, 1),
+    ("flush_replay", "mamba2"): KernelConfig(32, 4),
+    ("flush_replay", "gdn"): KernelConfig(16, 1, chunked=False),
+    ("flush_replay", "kda"): KernelConfig(16, 1, chunked=False),
     ("flush_sketch", "mamba2"): KernelConfig(64, 4),
     ("flush_sketch", "gdn"): KernelConfig(64, 4),
-    ("flush_sketch", "kda"): KernelConfig(16, 1, chunked=False),
+    ("flush_sketch", "kda"): KernelConfig(32, 2, chunked=False),
 }
 
 CHUNK_MIN = 16  # tl.dot needs at least 16 rows/columns: buffer tiles are padded to this
@@ -355,109 +356,107 @@ def _read_kernel(
     T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, M: tl.constexpr,
     FAMILY: tl.constexpr, SKETCH: tl.constexpr, HAS_SKIP: tl.constexpr, K_BF16: tl.constexpr,
-    EMULATE: tl.constexpr, CHUNKED: tl.constexpr, HPP: tl.constexpr,
+    EMULATE: tl.constexpr, CHUNKED: tl.constexpr,
 ):
     i_v = tl.program_id(0)
-    i_hb = tl.program_id(1)
+    i_h = tl.program_id(1)
     i_b = tl.program_id(2)
     # loads that depend on nothing are issued together, before the first branch
     s = tl.load(slots + i_b).to(tl.int64)
     p = tl.load(pos + i_b)
+    m = tl.load(ranks + i_h) if SKETCH else 0
     if s < 0:
         return
-    for hh in tl.static_range(HPP):  # HPP heads per program, one after another
-        i_h = i_hb * HPP + hh
-        m = tl.load(ranks + i_h) if SKETCH else 0
-        i_g = i_h // (H // G)
-        o_k = tl.arange(0, K)
-        o_v = i_v * BV + tl.arange(0, BV)
-        live = s >= 0
-        sk_h = sk + (s * H + i_h) * sk_head_stride
-        if SKETCH:
-            # the first 8 map and sketch rows, in flight while the buffer is worked through
-            o_r8 = tl.arange(0, 8)
-            rows8 = o_r8[:, None] < m
-            pm0 = tl.load(maps + (i_h * M + o_r8[:, None]) * K + o_k[None, :], mask=rows8, other=0.0)
-            st0 = tl.load(sk_h + o_r8[:, None] * V + o_v[None, :], mask=rows8, other=0.0)
-        else:
-            pm0 = tl.zeros([8, K], dtype=tl.float32)
-            st0 = tl.zeros([8, BV], dtype=tl.float32)
-        hb = (s * H + i_h) * C  # this head's first buffer entry
-        gb = (s * G + i_g) * C  # this group's first buffer entry
-        # append the T new tokens at p, p+1, ...: each program writes its w tile; the first tile writes
-        # decay and beta, and the first head of the group its k. Reads below touch entries < p only.
-        for t in tl.static_range(T):
-            jw = p + t
-            ok = jw < C
-            x_t = i_b * T + t
-            w_new = tl.load(w + (x_t * H + i_h) * V + o_v)
-            mw = o_v < tl.where(ok, V, 0)
-            tl.store(buf_w + (hb + jw) * V + o_v, w_new.to(buf_w.dtype.element_ty), mask=mw)
-            if i_v == 0:
-                if FAMILY == 2:
-                    d_new = tl.load(decay + (x_t * H + i_h) * K + o_k)
-                    mk = o_k < tl.where(ok, K, 0)
-                    tl.store(buf_decay + (hb + jw) * K + o_k, d_new.to(buf_decay.dtype.element_ty), mask=mk)
-                else:
-                    d_new = tl.load(decay + x_t * H + i_h)
-                    tl.store(buf_decay + hb + jw, d_new.to(buf_decay.dtype.element_ty), mask=ok)
-                if FAMILY != 0:
-                    b_new = tl.load(beta + x_t * H + i_h)
-                    tl.store(buf_beta + hb + jw, b_new.to(buf_beta.dtype.element_ty), mask=ok)
-                if i_h % (H // G) == 0:
-                    k_new = tl.load(k + (x_t * G + i_g) * K + o_k)
-                    mk = o_k < tl.where(ok, K, 0)
-                    tl.store(buf_k + (gb + jw) * K + o_k, k_new.to(buf_k.dtype.element_ty), mask=mk)
-        rd_h = rd + (s * H + i_h) * (K * V)
-        o_c = tl.arange(0, BC)
-        if FAMILY != 2 and CHUNKED:
-            # the buffered tokens j < p, loaded once as tiles; everything but K_b q is shared by the
-            # T reads of this call
-            kb, wb, _al, g, total = _buffer_tiles(buf_k, buf_w, buf_decay, hb, gb, p, o_c, o_k, o_v, K, V)
-            if FAMILY == 1:
-                bt = tl.load(buf_beta + hb + o_c, mask=o_c < p, other=0.0).to(tl.float32)
-                # U_{ji} = β_i G_{ji} for i > j: the back-substitution z = (I + U)⁻¹ K_b q
-                upper = tl.where(o_c[None, :] > o_c[:, None], _gram(kb, K_BF16, EMULATE) * bt[None, :], 0.0)
-        for t in tl.static_range(T):
-            x_t = i_b * T + t
-            v = tl.load(q + (x_t * G + i_g) * K + o_k).to(tl.float32)
-            acc = tl.zeros([BV], dtype=tl.float32)
-            # the new tokens t..0, one by one
-            for i in tl.static_range(T):
-                d = T - 1 - i
-                if d <= t:
-                    x_d = i_b * T + d
-                    kk, ww, dd, bb = _load_token(
-                        k, w, decay, beta, (x_d * G + i_g) * K, (x_d * H + i_h) * V, x_d * H + i_h,
-                        o_k, o_v, live, K, V, FAMILY,
-                    )
-                    kv, v = _backward(v, kk, dd, bb, FAMILY)
-                    acc += kv * ww
-            if FAMILY == 2 or not CHUNKED:
-                # the buffered tokens p-1..0, one by one (KDA always; the others when not CHUNKED)
-                for i in tl.static_range(C):
-                    j = C - 1 - i
-                    kk, ww, dd, bb = _load_token(
-                        buf_k, buf_w, buf_decay, buf_beta, (gb + j) * K, (hb + j) * V, hb + j,
-                        o_k, o_v, j < p, K, V, FAMILY,
-                    )
-                    kv, v = _backward(v, kk, dd, bb, FAMILY)
-                    acc += kv * ww
+    i_g = i_h // (H // G)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    live = s >= 0
+    sk_h = sk + (s * H + i_h) * sk_head_stride
+    if SKETCH:
+        # the first 8 map and sketch rows, in flight while the buffer is worked through
+        o_r8 = tl.arange(0, 8)
+        rows8 = o_r8[:, None] < m
+        pm0 = tl.load(maps + (i_h * M + o_r8[:, None]) * K + o_k[None, :], mask=rows8, other=0.0)
+        st0 = tl.load(sk_h + o_r8[:, None] * V + o_v[None, :], mask=rows8, other=0.0)
+    else:
+        pm0 = tl.zeros([8, K], dtype=tl.float32)
+        st0 = tl.zeros([8, BV], dtype=tl.float32)
+    hb = (s * H + i_h) * C  # this head's first buffer entry
+    gb = (s * G + i_g) * C  # this group's first buffer entry
+    # append the T new tokens at p, p+1, ...: each program writes its w tile; the first tile writes
+    # decay and beta, and the first head of the group its k. Reads below touch entries < p only.
+    for t in tl.static_range(T):
+        jw = p + t
+        ok = jw < C
+        x_t = i_b * T + t
+        w_new = tl.load(w + (x_t * H + i_h) * V + o_v)
+        mw = o_v < tl.where(ok, V, 0)
+        tl.store(buf_w + (hb + jw) * V + o_v, w_new.to(buf_w.dtype.element_ty), mask=mw)
+        if i_v == 0:
+            if FAMILY == 2:
+                d_new = tl.load(decay + (x_t * H + i_h) * K + o_k)
+                mk = o_k < tl.where(ok, K, 0)
+                tl.store(buf_decay + (hb + jw) * K + o_k, d_new.to(buf_decay.dtype.element_ty), mask=mk)
             else:
-                z = tl.sum(kb.to(tl.float32) * v[None, :], axis=1)  # K_b q
-                if FAMILY == 1:
-                    for i in range(0, p):
-                        j = p - 1 - i
-                        z_j = tl.sum(tl.where(o_c == j, z, 0.0), axis=0)
-                        col = tl.sum(tl.where(o_c[None, :] == j, upper, 0.0), axis=1)
-                        z = z - col * z_j  # rows < j only: z_j itself is final
-                    v = v - tl.sum((bt * z)[:, None] * kb.to(tl.float32), axis=0)
-                acc += tl.sum((g * z)[:, None] * wb, axis=0)
-                v = v * total
-            o = acc + _checkpoint_read(v, rd_h, sk_h, m, pm0, st0, maps, i_h, o_k, o_v, K, V, M, SKETCH)
-            if HAS_SKIP:
-                o += tl.load(skip + (x_t * H + i_h) * V + o_v).to(tl.float32)
-            tl.store(out + (x_t * H + i_h) * V + o_v, o.to(out.dtype.element_ty))
+                d_new = tl.load(decay + x_t * H + i_h)
+                tl.store(buf_decay + hb + jw, d_new.to(buf_decay.dtype.element_ty), mask=ok)
+            if FAMILY != 0:
+                b_new = tl.load(beta + x_t * H + i_h)
+                tl.store(buf_beta + hb + jw, b_new.to(buf_beta.dtype.element_ty), mask=ok)
+            if i_h % (H // G) == 0:
+                k_new = tl.load(k + (x_t * G + i_g) * K + o_k)
+                mk = o_k < tl.where(ok, K, 0)
+                tl.store(buf_k + (gb + jw) * K + o_k, k_new.to(buf_k.dtype.element_ty), mask=mk)
+    rd_h = rd + (s * H + i_h) * (K * V)
+    o_c = tl.arange(0, BC)
+    if FAMILY != 2 and CHUNKED:
+        # the buffered tokens j < p, loaded once as tiles; everything but K_b q is shared by the
+        # T reads of this call
+        kb, wb, _al, g, total = _buffer_tiles(buf_k, buf_w, buf_decay, hb, gb, p, o_c, o_k, o_v, K, V)
+        if FAMILY == 1:
+            bt = tl.load(buf_beta + hb + o_c, mask=o_c < p, other=0.0).to(tl.float32)
+            # U_{ji} = β_i G_{ji} for i > j: the back-substitution z = (I + U)⁻¹ K_b q
+            upper = tl.where(o_c[None, :] > o_c[:, None], _gram(kb, K_BF16, EMULATE) * bt[None, :], 0.0)
+    for t in tl.static_range(T):
+        x_t = i_b * T + t
+        v = tl.load(q + (x_t * G + i_g) * K + o_k).to(tl.float32)
+        acc = tl.zeros([BV], dtype=tl.float32)
+        # the new tokens t..0, one by one
+        for i in tl.static_range(T):
+            d = T - 1 - i
+            if d <= t:
+                x_d = i_b * T + d
+                kk, ww, dd, bb = _load_token(
+                    k, w, decay, beta, (x_d * G + i_g) * K, (x_d * H + i_h) * V, x_d * H + i_h,
+                    o_k, o_v, live, K, V, FAMILY,
+                )
+                kv, v = _backward(v, kk, dd, bb, FAMILY)
+                acc += kv * ww
+        if FAMILY == 2 or not CHUNKED:
+            # the buffered tokens p-1..0, one by one (KDA always; the others when not CHUNKED)
+            for i in tl.static_range(C):
+                j = C - 1 - i
+                kk, ww, dd, bb = _load_token(
+                    buf_k, buf_w, buf_decay, buf_beta, (gb + j) * K, (hb + j) * V, hb + j,
+                    o_k, o_v, j < p, K, V, FAMILY,
+                )
+                kv, v = _backward(v, kk, dd, bb, FAMILY)
+                acc += kv * ww
+        else:
+            z = tl.sum(kb.to(tl.float32) * v[None, :], axis=1)  # K_b q
+            if FAMILY == 1:
+                for i in range(0, p):
+                    j = p - 1 - i
+                    z_j = tl.sum(tl.where(o_c == j, z, 0.0), axis=0)
+                    col = tl.sum(tl.where(o_c[None, :] == j, upper, 0.0), axis=1)
+                    z = z - col * z_j  # rows < j only: z_j itself is final
+                v = v - tl.sum((bt * z)[:, None] * kb.to(tl.float32), axis=0)
+            acc += tl.sum((g * z)[:, None] * wb, axis=0)
+            v = v * total
+        o = acc + _checkpoint_read(v, rd_h, sk_h, m, pm0, st0, maps, i_h, o_k, o_v, K, V, M, SKETCH)
+        if HAS_SKIP:
+            o += tl.load(skip + (x_t * H + i_h) * V + o_v).to(tl.float32)
+        tl.store(out + (x_t * H + i_h) * V + o_v, o.to(out.dtype.element_ty))
 
 
 @triton.jit
@@ -488,12 +487,18 @@ def _flush_kernel(
     S = tl.load(p_s, eviction_policy="evict_first")
     o_c = tl.arange(0, BC)
     if not CHUNKED:  # token by token, any family
-        for j in tl.static_range(C):
-            kk, ww, dd, bb = _load_token(
-                buf_k, buf_w, buf_decay, buf_beta, (gb + j) * K, (hb + j) * V, hb + j,
-                o_k, o_v, j < n, K, V, FAMILY,
+        # a rolled loop (an unrolled one overflows the instruction cache: ncu showed 59% of the
+        # stalls waiting for instructions) that loads token j + 1 while token j is applied
+        kk, ww, dd, bb = _load_token(
+            buf_k, buf_w, buf_decay, buf_beta, gb * K, hb * V, hb, o_k, o_v, n > 0, K, V, FAMILY,
+        )
+        for j in range(0, n):
+            kn, wn, dn, bn = _load_token(
+                buf_k, buf_w, buf_decay, buf_beta, (gb + j + 1) * K, (hb + j + 1) * V, hb + j + 1,
+                o_k, o_v, j + 1 < n, K, V, FAMILY,
             )
             S = _forward(S, kk, ww, dd, bb, FAMILY)
+            kk, ww, dd, bb = kn, wn, dn, bn
     elif FAMILY == 2:
         S = _kda_chunk(S, buf_k, buf_w, buf_decay, buf_beta, hb, gb, n, o_c, o_k, o_v, K, V, LOG2_BC)
     else:
@@ -524,9 +529,12 @@ def _flush_kernel(
         # operand's, and converting it costs more than the m reductions over K
         m = tl.load(ranks + i_h)
         p_sk = sk + (s * H + i_h) * sk_head_stride + o_v
-        for r in range(0, m):
-            rrow = tl.load(frames + (i_g * K + r) * K + o_k)
+        p_fr = frames + i_g * K * K + o_k
+        rrow = tl.load(p_fr, mask=o_k < tl.where(m > 0, K, 0), other=0.0)
+        for r in range(0, m):  # row r + 1 of R is loaded while row r is applied
+            rnext = tl.load(p_fr + (r + 1) * K, mask=o_k < tl.where(r + 1 < m, K, 0), other=0.0)
             tl.store(p_sk + r * V, tl.sum(S * rrow[:, None], axis=0).to(sk.dtype.element_ty))
+            rrow = rnext
     elif SKETCH_OUT:
         # R_{:m} S in chunks of 16 rows (tensor-core dots)
         m = tl.load(ranks + i_h)
@@ -570,14 +578,6 @@ def _dims(family: str, x: StepInputs, heads: int) -> tuple[int, int, int, int, i
     if not (x.k.is_cuda or _interpreting()):
         raise RuntimeError("the decode kernels need a CUDA device (or TRITON_INTERPRET=1 on the CPU)")
     return b, t, g, kd, vd, heads
-
-
-def _heads_per_program(cfg: KernelConfig, heads: int, groups: int) -> int:
-    """``cfg.heads`` lowered to a divisor of H."""
-    hpp = max(1, min(cfg.heads, heads))
-    while heads % hpp:
-        hpp -= 1
-    return hpp
 
 
 def _block_v(cfg: KernelConfig, vd: int) -> int:
@@ -666,13 +666,12 @@ def spec_verify(
     _window_pool(pool, sketch)
     if pool.read is None:
         raise ValueError("a window pool with a read copy is needed")
-    cfg = config or default_config("read", family)
+    cfg = config or default_config("sketch" if sketch else "replay", family)
     bv = _block_v(cfg, vd)
     out = _out(out, x, h, t)
     sk = pool.sketch if sketch else pool.read
     m_rows = tables.map_rows if sketch else 1
-    hpp = _heads_per_program(cfg, h, g)
-    _read_kernel[(vd // bv, h // hpp, b)](
+    _read_kernel[(vd // bv, h, b)](
         slots, pos, x.q, x.k, x.w, x.decay, _beta(x), x.skip if x.skip is not None else x.w, out,
         pool.buf_k, pool.buf_w, pool.buf_decay,
         pool.buf_beta if pool.buf_beta is not None else pool.buf_decay,
@@ -681,7 +680,7 @@ def spec_verify(
         T=t, H=h, G=g, K=kd, V=vd, BV=bv, C=pool.capacity, BC=_buffer_block(pool.capacity),
         M=m_rows, FAMILY=FAMILY_ID[family], SKETCH=sketch,
         HAS_SKIP=x.skip is not None, K_BF16=_keys_bf16(pool), EMULATE=_interpreting(), CHUNKED=cfg.chunked,
-        HPP=hpp, num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps,
     )
     return out
 
@@ -743,7 +742,7 @@ def flush(
         out = _out(out, x, heads, 1)
     else:
         b = slots.shape[0]
-    cfg = config or default_config("flush_sketch" if sketch else "flush", family)
+    cfg = config or default_config("flush_sketch" if sketch else "flush_replay", family)
     bv = max(_block_v(cfg, vd), CHUNK_MIN)  # tl.dot needs 16 columns
     sk = pool.sketch if sketch else pool.state
     # a low-precision sketch is rounded to ≤ 8 mantissa bits anyway: one tf32 pass is enough
