@@ -74,14 +74,14 @@ class KernelConfig:
 
 
 # Defaults by (kernel, family); ``block_v`` is clipped to V: the fastest launch shapes on an H200 at
-# batch 256 among ``bench.TUNE_CANDIDATES`` (BENCHMARKS.md, "Decode kernels"; the read shape is
-# shared by replay and sketch). KDA's flush: the token-by-token form beat the chunked one (885 vs
-# 1,821 us). ``bench.run_bench(tune=True)`` re-picks them on another device.
+# batch 256 among ``bench.TUNE_CANDIDATES`` (BENCHMARKS.md, "Decode kernels"), checked there by the
+# ``gpu`` tests with exactly these shapes. The token-by-token forms won everywhere but the Mamba-2
+# flush. ``bench.run_bench(tune=True)`` re-picks them on another device.
 DEFAULT_CONFIGS: dict[tuple[str, str], KernelConfig] = {
     ("standard", "mamba2"): KernelConfig(64, 4),
     ("standard", "gdn"): KernelConfig(64, 4),
     ("standard", "kda"): KernelConfig(64, 4),
-    ("replay", "mamba2"): KernelConfig(64, 1),
+    ("replay", "mamba2"): KernelConfig(64, 1, chunked=False),
     ("replay", "gdn"): KernelConfig(64, 1, chunked=False),
     ("replay", "kda"): KernelConfig(64, 1),
     ("sketch", "mamba2"): KernelConfig(64, 1, chunked=False),
@@ -91,8 +91,8 @@ DEFAULT_CONFIGS: dict[tuple[str, str], KernelConfig] = {
     ("flush_replay", "gdn"): KernelConfig(16, 1, chunked=False),
     ("flush_replay", "kda"): KernelConfig(16, 1, chunked=False),
     ("flush_sketch", "mamba2"): KernelConfig(64, 4),
-    ("flush_sketch", "gdn"): KernelConfig(64, 4),
-    ("flush_sketch", "kda"): KernelConfig(32, 2, chunked=False),
+    ("flush_sketch", "gdn"): KernelConfig(16, 1, chunked=False),
+    ("flush_sketch", "kda"): KernelConfig(16, 1, chunked=False),
 }
 
 CHUNK_MIN = 16  # tl.dot needs at least 16 rows/columns: buffer tiles are padded to this
@@ -433,15 +433,18 @@ def _read_kernel(
                 kv, v = _backward(v, kk, dd, bb, FAMILY)
                 acc += kv * ww
         if FAMILY == 2 or not CHUNKED:
-            # the buffered tokens p-1..0, one by one (KDA always; the others when not CHUNKED)
+            # the buffered tokens p-1..0, one by one (KDA always; the others when not CHUNKED).
+            # Every token's loads are issued up front (masked past p); the dependent chain of
+            # reductions runs only over the p live ones.
             for i in tl.static_range(C):
                 j = C - 1 - i
                 kk, ww, dd, bb = _load_token(
                     buf_k, buf_w, buf_decay, buf_beta, (gb + j) * K, (hb + j) * V, hb + j,
                     o_k, o_v, j < p, K, V, FAMILY,
                 )
-                kv, v = _backward(v, kk, dd, bb, FAMILY)
-                acc += kv * ww
+                if j < p:
+                    kv, v = _backward(v, kk, dd, bb, FAMILY)
+                    acc += kv * ww
         else:
             z = tl.sum(kb.to(tl.float32) * v[None, :], axis=1)  # K_b q
             if FAMILY == 1:
