@@ -433,18 +433,15 @@ def _read_kernel(
                 kv, v = _backward(v, kk, dd, bb, FAMILY)
                 acc += kv * ww
         if FAMILY == 2 or not CHUNKED:
-            # the buffered tokens p-1..0, one by one (KDA always; the others when not CHUNKED).
-            # Every token's loads are issued up front (masked past p); the dependent chain of
-            # reductions runs only over the p live ones.
+            # the buffered tokens p-1..0, one by one (KDA always; the others when not CHUNKED)
             for i in tl.static_range(C):
                 j = C - 1 - i
                 kk, ww, dd, bb = _load_token(
                     buf_k, buf_w, buf_decay, buf_beta, (gb + j) * K, (hb + j) * V, hb + j,
                     o_k, o_v, j < p, K, V, FAMILY,
                 )
-                if j < p:
-                    kv, v = _backward(v, kk, dd, bb, FAMILY)
-                    acc += kv * ww
+                kv, v = _backward(v, kk, dd, bb, FAMILY)
+                acc += kv * ww
         else:
             z = tl.sum(kb.to(tl.float32) * v[None, :], axis=1)  # K_b q
             if FAMILY == 1:
