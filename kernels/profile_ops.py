@@ -8,7 +8,7 @@ Run from the repository root on a CUDA machine, under Nsight Compute for example
 ``OP`` is one of ``standard``, ``replay_step``, ``sketch_step``, ``replay_flush``,
 ``sketch_flush``. The window kernels run with ``pos`` = 8 buffered tokens (a mid-window step);
 the flushes with 15. Each op is launched three times (the first compiles), with the default
-launch shapes unless ``--block-v``/``--warps``/``--sweep`` say otherwise.
+launch shapes unless ``--block-v``/``--warps``/``--form`` say otherwise.
 """
 
 from __future__ import annotations
@@ -29,38 +29,29 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--block-v", type=int)
     ap.add_argument("--warps", type=int)
-    ap.add_argument("--sweep", action="store_true", help="token-by-token forms (chunked=False)")
+    ap.add_argument("--form", choices=("chunked", "sweep"), help="closed (chunked) or token-by-token form")
     args = ap.parse_args()
     bootstrap()
     import torch
 
     from sketchcal.kernels.bench import MODEL_SHAPES
     from sketchcal.kernels.common import decode
-    from sketchcal.kernels.common.pool import allocate_pool, random_sketch, rank_spread
-    from sketchcal.kernels.common.testing import random_inputs
+    from sketchcal.kernels.common.pool import random_sketch, rank_spread
+    from sketchcal.kernels.common.testing import random_inputs, random_pool
 
     family, b = args.family, args.batch
     shape = MODEL_SHAPES[family]
     h, g, kd, vd = shape.heads, shape.groups, shape.key_dim, shape.value_dim
     tables = random_sketch(family, rank_spread(h, 8, kd), g, kd, torch.Generator().manual_seed(0)).to("cuda")
-    pool = allocate_pool(family, b, h, g, kd, vd, capacity=16, read_dtype=torch.bfloat16,
-                         sketch_rows=tables.map_rows, device="cuda")
-    pool.state.normal_(0.0, 0.3)
-    pool.read.copy_(pool.state)
-    pool.sketch.normal_(0.0, 0.3)
-    for t in (pool.buf_k, pool.buf_w):
-        t.normal_(0.0, 0.1)
-    pool.buf_decay.uniform_(0.9, 1.0)
-    if pool.buf_beta is not None:
-        pool.buf_beta.uniform_(0.0, 1.0)
+    pool = random_pool(family, b, h, g, kd, vd, capacity=16, sketch_rows=tables.map_rows, device="cuda")
     slots = torch.arange(b, dtype=torch.int32, device="cuda")
     x = random_inputs(family, b, 1, h, g, kd, vd, device="cuda")
     out = torch.empty_like(x.w)
     kind = {"standard": "standard", "replay_step": "replay", "sketch_step": "sketch",
             "replay_flush": "flush_replay", "sketch_flush": "flush_sketch"}[args.op]
     base = decode.default_config(kind, family)
-    cfg = decode.KernelConfig(args.block_v or base.block_v, args.warps or base.num_warps,
-                              chunked=base.chunked and not args.sweep)
+    chunked = base.chunked if args.form is None else args.form == "chunked"
+    cfg = decode.KernelConfig(args.block_v or base.block_v, args.warps or base.num_warps, chunked=chunked)
     pos = torch.full((b,), 15 if "flush" in args.op else 8, dtype=torch.int32, device="cuda")
     for _ in range(3):
         if args.op == "standard":

@@ -524,27 +524,28 @@ def _flush_kernel(
             tl.store(p_r, S.to(rd.dtype.element_ty), mask=o_k[:, None] < r)
         else:
             tl.store(p_r, S.to(rd.dtype.element_ty))
-    if SKETCH_OUT and not CHUNKED:
-        # R_{:m} S row by row on the FMA units: the sweep's tile layout is not a tensor-core
-        # operand's, and converting it costs more than the m reductions over K
+    if SKETCH_OUT:
         m = tl.load(ranks + i_h)
-        p_sk = sk + (s * H + i_h) * sk_head_stride + o_v
-        p_fr = frames + i_g * K * K + o_k
-        rrow = tl.load(p_fr, mask=o_k < tl.where(m > 0, K, 0), other=0.0)
-        for r in range(0, m):  # row r + 1 of R is loaded while row r is applied
-            rnext = tl.load(p_fr + (r + 1) * K, mask=o_k < tl.where(r + 1 < m, K, 0), other=0.0)
-            tl.store(p_sk + r * V, tl.sum(S * rrow[:, None], axis=0).to(sk.dtype.element_ty))
-            rrow = rnext
-    elif SKETCH_OUT:
-        # R_{:m} S in chunks of 16 rows (tensor-core dots)
-        m = tl.load(ranks + i_h)
-        o_r = tl.arange(0, 16)
-        for r0 in range(0, m, 16):
-            rows = (r0 + o_r)[:, None] < m
-            rm = tl.load(frames + (i_g * K + r0 + o_r[:, None]) * K + o_k[None, :], mask=rows, other=0.0)
-            sk_t = tl.dot(rm, S, input_precision=SKETCH_PREC)
-            p_sk = sk + (s * H + i_h) * sk_head_stride + (r0 + o_r[:, None]) * V + o_v[None, :]
-            tl.store(p_sk, sk_t.to(sk.dtype.element_ty), mask=rows)
+        if CHUNKED:
+            # R_{:m} S in chunks of 16 rows (tensor-core dots)
+            o_r = tl.arange(0, 16)
+            for r0 in range(0, m, 16):
+                rows = (r0 + o_r)[:, None] < m
+                rm = tl.load(frames + (i_g * K + r0 + o_r[:, None]) * K + o_k[None, :], mask=rows, other=0.0)
+                sk_t = tl.dot(rm, S, input_precision=SKETCH_PREC)
+                p_sk = sk + (s * H + i_h) * sk_head_stride + (r0 + o_r[:, None]) * V + o_v[None, :]
+                tl.store(p_sk, sk_t.to(sk.dtype.element_ty), mask=rows)
+        else:
+            sk_h = sk + (s * H + i_h) * sk_head_stride
+            fr_g = frames + i_g * K * K  # R of this head's group, [K, K]
+            # row by row on the FMA units: the sweep's tile layout is not a tensor-core operand's,
+            # and converting it costs more than the m reductions over K. Row r + 1 of R is loaded
+            # while row r is applied.
+            rrow = tl.load(fr_g + o_k, mask=o_k < tl.where(m > 0, K, 0), other=0.0)
+            for r in range(0, m):
+                rnext = tl.load(fr_g + (r + 1) * K + o_k, mask=o_k < tl.where(r + 1 < m, K, 0), other=0.0)
+                tl.store(sk_h + r * V + o_v, tl.sum(S * rrow[:, None], axis=0).to(sk.dtype.element_ty))
+                rrow = rnext
 
 
 # ----------------------------------------------------------------------------------------------
