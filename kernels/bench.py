@@ -59,7 +59,7 @@ MODEL_SHAPES = {
 
 READ_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
-# launch shapes tried with ``tune=True``: (block_v, num_warps[, chunked]) per kernel and family;
+# launch shapes tried with ``tune=True``: (block_v, num_warps[, chunked[, vec]]) per kernel and family;
 # block_v is clipped to V. The standard step keeps the shape tuned earlier (BENCHMARKS.md).
 TUNE_CANDIDATES: dict[str, dict[str, list[tuple]]] = {
     "standard": {f: [(64, 4)] for f in ("mamba2", "gdn", "kda")},
@@ -69,9 +69,9 @@ TUNE_CANDIDATES: dict[str, dict[str, list[tuple]]] = {
         "kda": [(64, 1), (32, 1)],
     },
     "flush": {
-        "mamba2": [(64, 4), (32, 4), (16, 1, False), (32, 2, False)],
-        "gdn": [(64, 4), (16, 1, False), (32, 2, False), (64, 4, False)],
-        "kda": [(16, 1, False), (32, 2, False), (64, 4, False)],
+        "mamba2": [(64, 4), (32, 4), (16, 1, False), (16, 1, False, 4), (16, 1, False, 2)],
+        "gdn": [(64, 4), (16, 1, False), (16, 1, False, 4), (16, 1, False, 2), (32, 4, False, 2)],
+        "kda": [(16, 1, False), (16, 1, False, 4), (16, 1, False, 2), (32, 4, False, 2)],
     },
 }
 

@@ -57,7 +57,7 @@ def build(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True):
                       CHUNKED=cfg.chunked, **common)
         return _compile(D._read_kernel, consts, cfg.num_warps)
     consts = dict(C=16, BC=16, LOG2_BC=4, HAS_X=True, HAS_READ=True, ROWS=sketch, SKETCH_OUT=sketch,
-                  K_BF16=True, SKETCH_PREC="tf32", EMULATE=False, CHUNKED=cfg.chunked, **common)
+                  K_BF16=True, SKETCH_PREC="tf32", EMULATE=False, CHUNKED=cfg.chunked, VEC=cfg.vec, **common)
     return _compile(D._flush_kernel, consts, cfg.num_warps)
 
 

@@ -66,11 +66,15 @@ FAMILY_ID = {"mamba2": 0, "gdn": 1, "kda": 2}
 class KernelConfig:
     """Launch shape: value columns per program and warps per program; ``chunked`` picks the
     closed forms over the buffer (read: Gram form for Mamba-2/GDN; flush: tensor-core chunk) over
-    the token-by-token sweeps (KDA's read is always a sweep)."""
+    the token-by-token sweeps (KDA's read is always a sweep). ``vec`` (token-by-token flush only;
+    0 = the compiler's choice) caps the value columns each thread holds of the [K, BV] tile: fewer
+    columns per thread put more of each k·S reduction inside the thread (fewer shuffles) at the
+    cost of more key rows per thread."""
 
     block_v: int
     num_warps: int
     chunked: bool = True
+    vec: int = 0
 
 
 # Defaults by (kernel, family); ``block_v`` is clipped to V: the fastest launch shapes on an H200 at
@@ -142,6 +146,33 @@ def _forward(S, kk, ww, dd, bb, FAMILY: tl.constexpr):
         ks = tl.sum(S * kk[:, None], axis=0)
         S = S + kk[:, None] * (ww - bb * ks)[None, :]
     return S
+
+
+# A window's decay product below this is folded into the tile (see _forward_scaled)
+TINY = tl.constexpr(2.0**-64)
+
+
+@triton.jit
+def _forward_scaled(S, c, kk, ww, dd, bb, FAMILY: tl.constexpr):
+    """:func:`_forward` for a scalar decay (Mamba-2, GDN) on a tile held as ``c Ŝ``: returns the
+    new (Ŝ, c).
+
+    The decay only multiplies the scale, so a token costs the k·Ŝ reduction and one FMA per
+    element instead of a multiply more: with c' = c d and u = w − β kᵀ(d S) = w − β c' kᵀŜ,
+    ``Ŝ ← Ŝ + k (u / c')ᵀ``. A scale below ``TINY`` is folded into Ŝ first (a product of many
+    decays: rare), so neither c nor 1/c under- or overflows, and a zero decay zeroes the tile.
+    (KDA's per-channel scales cost more per token than the multiply they save.)"""
+    c = c * dd
+    if c < TINY:
+        S = S * c
+        c = c * 0.0 + 1.0
+    r = 1.0 / c
+    if FAMILY == 0:
+        S = S + kk[:, None] * (ww * r)[None, :]
+    else:
+        ks = tl.sum(S * kk[:, None], axis=0)
+        S = S + kk[:, None] * (ww * r - bb * ks)[None, :]
+    return S, c
 
 
 @triton.jit
@@ -468,7 +499,7 @@ def _flush_kernel(
     C: tl.constexpr, BC: tl.constexpr, LOG2_BC: tl.constexpr, FAMILY: tl.constexpr,
     HAS_X: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_READ: tl.constexpr, ROWS: tl.constexpr,
     SKETCH_OUT: tl.constexpr, K_BF16: tl.constexpr, SKETCH_PREC: tl.constexpr, EMULATE: tl.constexpr,
-    CHUNKED: tl.constexpr,
+    CHUNKED: tl.constexpr, VEC: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -480,6 +511,9 @@ def _flush_kernel(
     i_g = i_h // (H // G)
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
+    if VEC > 0:
+        # a true (smaller) contiguity bound: the tile's layout then gives each thread VEC columns
+        o_v = tl.max_contiguous(o_v, VEC)
     live = s >= 0
     hb = (s * H + i_h) * C
     gb = (s * G + i_g) * C
@@ -488,17 +522,24 @@ def _flush_kernel(
     o_c = tl.arange(0, BC)
     if not CHUNKED:  # token by token, any family
         # a rolled loop (an unrolled one overflows the instruction cache: ncu showed 59% of the
-        # stalls waiting for instructions) that loads token j + 1 while token j is applied
+        # stalls waiting for instructions) that loads token j + 1 while token j is applied; scalar
+        # decays go into a separate scale (_forward_scaled), applied once at the end
         kk, ww, dd, bb = _load_token(
             buf_k, buf_w, buf_decay, buf_beta, gb * K, hb * V, hb, o_k, o_v, n > 0, K, V, FAMILY,
         )
+        scale = dd * 0.0 + 1.0  # Mamba-2, GDN: the decay product so far (KDA: unused)
         for j in range(0, n):
             kn, wn, dn, bn = _load_token(
                 buf_k, buf_w, buf_decay, buf_beta, (gb + j + 1) * K, (hb + j + 1) * V, hb + j + 1,
                 o_k, o_v, j + 1 < n, K, V, FAMILY,
             )
-            S = _forward(S, kk, ww, dd, bb, FAMILY)
+            if FAMILY == 2:  # per-channel decays go straight into the tile
+                S = _forward(S, kk, ww, dd, bb, FAMILY)
+            else:
+                S, scale = _forward_scaled(S, scale, kk, ww, dd, bb, FAMILY)
             kk, ww, dd, bb = kn, wn, dn, bn
+        if FAMILY != 2:
+            S = S * scale
     elif FAMILY == 2:
         S = _kda_chunk(S, buf_k, buf_w, buf_decay, buf_beta, hb, gb, n, o_c, o_k, o_v, K, V, LOG2_BC)
     else:
@@ -762,6 +803,7 @@ def flush(
         H=heads, G=g, K=kd, V=vd, BV=bv, C=pool.capacity, BC=bc, LOG2_BC=bc.bit_length() - 1,
         FAMILY=FAMILY_ID[family], HAS_X=x is not None, HAS_SKIP=x is not None and x.skip is not None,
         HAS_READ=pool.read is not None, ROWS=sketch, SKETCH_OUT=sketch, K_BF16=_keys_bf16(pool),
-        SKETCH_PREC=sketch_prec, EMULATE=_interpreting(), CHUNKED=cfg.chunked, num_warps=cfg.num_warps,
+        SKETCH_PREC=sketch_prec, EMULATE=_interpreting(), CHUNKED=cfg.chunked, VEC=cfg.vec,
+        num_warps=cfg.num_warps,
     )
     return out

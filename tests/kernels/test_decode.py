@@ -109,6 +109,29 @@ def test_other_form_cpu(family, op):
     run_case(family, op, CPU_SHAPES[family][1], "fp32", "cpu", seed=4, config=config)
 
 
+@pytest.mark.parametrize("vec", [0, 2])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sweep_flush_tiny_and_zero_decays_cpu(family, vec):
+    """The token-by-token flush keeps the window's decay product apart from the tile (a scale
+    folded in when it gets tiny). Decays whose product underflows that scale (1e-30 twice) and an
+    exact zero decay (the state before it forgotten) must still give the float64 reference."""
+    h, g, kd, vd = CPU_SHAPES[family][1]
+    gen = torch.Generator().manual_seed(11)
+    pool = random_pool(family, 4, h, g, kd, vd, capacity=6, input_dtype=torch.float32, generator=gen)
+    pool.buf_decay[0, :, 1:3] = 1e-30
+    pool.buf_decay[1, :, 2] = 0.0
+    pool.buf_decay[2, 0, 4] = 1e-25  # one head only
+    slots = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    pos = torch.tensor([6, 5, 6, 0], dtype=torch.int32)
+    got, want = pool.clone(), pool.clone()
+    decode.flush(family, got, slots, pos, config=decode.KernelConfig(16, 1, chunked=False, vec=vec))
+    ref.flush(family, want, slots, pos)
+    assert torch.isfinite(got.state).all()
+    assert _rel(got.state, want.state) <= 1e-5
+    for s in range(3):
+        assert _rel(got.state[s], want.state[s]) <= 1e-5
+
+
 def test_bf16_read_copy_is_close_to_exact():
     """A bf16 read copy costs at most bf16 accuracy against the exact fp32 checkpoint."""
     family, (h, g, kd, vd) = "gdn", CPU_SHAPES["gdn"][0]
