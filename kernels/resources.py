@@ -53,7 +53,7 @@ def build(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True):
     if kernel == "standard":
         return _compile(D._standard_kernel, dict(T=1, **common), cfg.num_warps)
     if kernel == "read":
-        consts = dict(T=1, C=16, BC=16, LOG2_BC=4, M=32, SKETCH=sketch, K_BF16=True, EMULATE=False,
+        consts = dict(T=1, C=16, BC=16, M=32, SKETCH=sketch, K_BF16=True, EMULATE=False,
                       CHUNKED=cfg.chunked, **common)
         return _compile(D._read_kernel, consts, cfg.num_warps)
     consts = dict(C=16, BC=16, LOG2_BC=4, HAS_X=True, HAS_READ=True, ROWS=sketch, SKETCH_OUT=sketch,

@@ -315,56 +315,6 @@ def _buffer_tiles(
 
 
 @triton.jit
-def _column(tile, j: tl.constexpr, LOG2_BC: tl.constexpr):
-    """Column ``j`` [X] of an [X, BC] tile whose BC axis lies inside each thread: halving splits
-    on the bits of j, which only pick registers (no shuffles, no shared memory)."""
-    for bit in tl.static_range(LOG2_BC):
-        even, odd = tl.split(tl.reshape(tile, (tile.shape[0], tile.shape[1] // 2, 2)))
-        tile = odd if (j >> bit) & 1 else even
-    return tl.reshape(tile, (tile.shape[0],))
-
-
-@triton.jit
-def _buffer_columns(
-    buf_k, buf_w, buf_decay, buf_beta, hb, gb, n, o_c, o_k, o_v,
-    K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, FAMILY: tl.constexpr,
-):
-    """The first ``n`` buffered tokens of one head as [X, BC] tiles with the token axis inside each
-    thread (tokens ≥ n: identity tokens), all loaded at once so that a sweep over them never waits
-    on memory. Returns ``kt`` [K, BC] (the buffer's dtype), ``wt`` [BV, BC] fp32, ``dt`` [K, BC]
-    (KDA's decays; else unused), ``bt`` [BC] and ``total``, the window's decay product.
-
-    Scalar decays (Mamba-2, GDN) are taken out of the sweep: a query pushed back through tokens
-    j' > j is ``g_j ṽ`` with ``g_j = α_{j+1}⋯α_{n−1}`` and ṽ the same sweep without decays, so
-    ``wt`` holds ``g_j w_j`` and the caller scales ṽ by ``total`` at the end."""
-    # contiguity bounds (true, and smaller than the compiler would infer) that spread K and BV
-    # over the 32 lanes, leaving the whole token axis inside each thread
-    KC: tl.constexpr = K // 32 if K >= 32 else 1
-    VC: tl.constexpr = BV // 32 if BV >= 32 else 1
-    live = o_c[None, :] < n
-    k_off = tl.max_contiguous((gb + o_c[None, :]) * K + o_k[:, None], [KC, 1])
-    kt = tl.load(buf_k + k_off, mask=live, other=0.0)
-    w_off = tl.max_contiguous((hb + o_c[None, :]) * V + o_v[:, None], [VC, 1])
-    wt = tl.load(buf_w + w_off, mask=live, other=0.0).to(tl.float32)
-    if FAMILY == 0:  # noqa: SIM108
-        bt = o_c * 0.0
-    else:
-        bt = tl.load(buf_beta + hb + o_c, mask=o_c < n, other=0.0).to(tl.float32)
-    if FAMILY == 2:
-        d_off = tl.max_contiguous((hb + o_c[None, :]) * K + o_k[:, None], [KC, 1])
-        dt = tl.load(buf_decay + d_off, mask=live, other=1.0).to(tl.float32)
-        total = tl.sum(bt, axis=0) * 0.0 + 1.0
-    else:
-        dt = tl.zeros([1, 1], dtype=tl.float32)
-        al = tl.load(buf_decay + hb + o_c, mask=o_c < n, other=1.0).to(tl.float32)
-        al_next = tl.load(buf_decay + hb + o_c + 1, mask=o_c + 1 < n, other=1.0).to(tl.float32)
-        g = tl.cumprod(al_next, 0, reverse=True)
-        total = tl.sum(tl.where(o_c == 0, g * al, 0.0), axis=0)
-        wt = wt * g[None, :]
-    return kt, wt, dt, bt, total
-
-
-@triton.jit
 def _kda_chunk(
     S, buf_k, buf_w, buf_decay, buf_beta, hb, gb, n, o_c, o_k, o_v,
     K: tl.constexpr, V: tl.constexpr, LOG2_BC: tl.constexpr,
@@ -435,7 +385,7 @@ def _read_kernel(
     buf_k, buf_w, buf_decay, buf_beta,
     rd, sk, ranks, maps, sk_head_stride,
     T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, LOG2_BC: tl.constexpr, M: tl.constexpr,
+    BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, M: tl.constexpr,
     FAMILY: tl.constexpr, SKETCH: tl.constexpr, HAS_SKIP: tl.constexpr, K_BF16: tl.constexpr,
     EMULATE: tl.constexpr, CHUNKED: tl.constexpr,
 ):
@@ -498,10 +448,6 @@ def _read_kernel(
             bt = tl.load(buf_beta + hb + o_c, mask=o_c < p, other=0.0).to(tl.float32)
             # U_{ji} = β_i G_{ji} for i > j: the back-substitution z = (I + U)⁻¹ K_b q
             upper = tl.where(o_c[None, :] > o_c[:, None], _gram(kb, K_BF16, EMULATE) * bt[None, :], 0.0)
-    else:
-        kt, wt, dt, bt, total = _buffer_columns(
-            buf_k, buf_w, buf_decay, buf_beta, hb, gb, p, o_c, o_k, o_v, K, V, BV, FAMILY,
-        )
     for t in tl.static_range(T):
         x_t = i_b * T + t
         v = tl.load(q + (x_t * G + i_g) * K + o_k).to(tl.float32)
@@ -518,20 +464,15 @@ def _read_kernel(
                 kv, v = _backward(v, kk, dd, bb, FAMILY)
                 acc += kv * ww
         if FAMILY == 2 or not CHUNKED:
-            # the buffered tokens C-1..0 (identity past p), one by one (KDA always; the others when
-            # not CHUNKED), each taken from registers. Scalar decays are in wt and total (see
-            # _buffer_columns): Mamba-2's coefficients need no sweep at all, GDN's only the deltas.
+            # the buffered tokens p-1..0, one by one (KDA always; the others when not CHUNKED)
             for i in tl.static_range(C):
                 j = C - 1 - i
-                kk = _column(kt, j, LOG2_BC).to(tl.float32)
-                kv = tl.sum(kk * v, axis=0)
-                if FAMILY != 0:
-                    bb = tl.sum(tl.where(o_c == j, bt, 0.0), axis=0)
-                    v = v - (bb * kv) * kk
-                if FAMILY == 2:
-                    v = v * _column(dt, j, LOG2_BC)
-                acc += kv * _column(wt, j, LOG2_BC)
-            v = v * total
+                kk, ww, dd, bb = _load_token(
+                    buf_k, buf_w, buf_decay, buf_beta, (gb + j) * K, (hb + j) * V, hb + j,
+                    o_k, o_v, j < p, K, V, FAMILY,
+                )
+                kv, v = _backward(v, kk, dd, bb, FAMILY)
+                acc += kv * ww
         else:
             z = tl.sum(kb.to(tl.float32) * v[None, :], axis=1)  # K_b q
             if FAMILY == 1:
@@ -779,7 +720,6 @@ def spec_verify(
         pool.read, sk, tables.ranks if sketch else slots, tables.maps if sketch else pool.buf_decay,
         sk.shape[2] * sk.shape[3],
         T=t, H=h, G=g, K=kd, V=vd, BV=bv, C=pool.capacity, BC=_buffer_block(pool.capacity),
-        LOG2_BC=_buffer_block(pool.capacity).bit_length() - 1,
         M=m_rows, FAMILY=FAMILY_ID[family], SKETCH=sketch,
         HAS_SKIP=x.skip is not None, K_BF16=_keys_bf16(pool), EMULATE=_interpreting(), CHUNKED=cfg.chunked,
         num_warps=cfg.num_warps,
