@@ -561,8 +561,10 @@ def _flush_kernel(
     if HAS_READ:
         p_r = rd + (s * H + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :]
         if ROWS:
-            r = tl.load(read_rows + i_h)
-            tl.store(p_r, S.to(rd.dtype.element_ty), mask=o_k[:, None] < r)
+            # K rows (a dense head) or none: a branch, not a row mask (which costs the token-by-token
+            # form twice the registers)
+            if tl.load(read_rows + i_h) > 0:
+                tl.store(p_r, S.to(rd.dtype.element_ty))
         else:
             tl.store(p_r, S.to(rd.dtype.element_ty))
     if SKETCH_OUT:
