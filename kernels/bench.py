@@ -59,14 +59,15 @@ MODEL_SHAPES = {
 
 READ_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
-# launch shapes tried with ``tune=True``: (block_v, num_warps[, chunked[, vec]]) per kernel and family;
-# block_v is clipped to V. The standard step keeps the shape tuned earlier (BENCHMARKS.md).
+# launch shapes tried with ``tune=True``: (block_v, num_warps[, chunked[, vec[, live_only]]]) per
+# kernel and family (the fields of KernelConfig); block_v is clipped to V. The standard step keeps
+# the shape tuned earlier (BENCHMARKS.md).
 TUNE_CANDIDATES: dict[str, dict[str, list[tuple]]] = {
     "standard": {f: [(64, 4)] for f in ("mamba2", "gdn", "kda")},
     "read": {
-        "mamba2": [(64, 1), (64, 1, False)],
-        "gdn": [(64, 1, False), (64, 1), (128, 2, False)],
-        "kda": [(64, 1), (32, 1)],
+        "mamba2": [(64, 1), (64, 1, False), (64, 1, False, 0, True)],
+        "gdn": [(64, 1, False), (64, 1), (64, 1, False, 0, True)],
+        "kda": [(64, 1), (64, 1, True, 0, True)],
     },
     "flush": {
         "mamba2": [(64, 4), (32, 4), (16, 1, False), (16, 1, False, 4), (16, 1, False, 2)],

@@ -69,12 +69,14 @@ class KernelConfig:
     the token-by-token sweeps (KDA's read is always a sweep). ``vec`` (token-by-token flush only;
     0 = the compiler's choice) caps the value columns each thread holds of the [K, BV] tile: fewer
     columns per thread put more of each k·S reduction inside the thread (fewer shuffles) at the
-    cost of more key rows per thread."""
+    cost of more key rows per thread. ``live_only`` (token-by-token read only) sweeps the live
+    buffered tokens in a rolled loop, instead of all C slots unrolled (dead ones as identities)."""
 
     block_v: int
     num_warps: int
     chunked: bool = True
     vec: int = 0
+    live_only: bool = False
 
 
 # Defaults by (kernel, family); ``block_v`` is clipped to V: the fastest launch shapes on an H200 at
@@ -387,7 +389,7 @@ def _read_kernel(
     T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, M: tl.constexpr,
     FAMILY: tl.constexpr, SKETCH: tl.constexpr, HAS_SKIP: tl.constexpr, K_BF16: tl.constexpr,
-    EMULATE: tl.constexpr, CHUNKED: tl.constexpr,
+    EMULATE: tl.constexpr, CHUNKED: tl.constexpr, LIVE_ONLY: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -463,8 +465,25 @@ def _read_kernel(
                 )
                 kv, v = _backward(v, kk, dd, bb, FAMILY)
                 acc += kv * ww
-        if FAMILY == 2 or not CHUNKED:
-            # the buffered tokens p-1..0, one by one (KDA always; the others when not CHUNKED)
+        if (FAMILY == 2 or not CHUNKED) and LIVE_ONLY:
+            # the live buffered tokens p-1..0 in a rolled loop that loads token j − 1 while token j
+            # is applied (KDA always; the others when not CHUNKED)
+            n_live = tl.minimum(p, C)
+            kk, ww, dd, bb = _load_token(
+                buf_k, buf_w, buf_decay, buf_beta, (gb + n_live - 1) * K, (hb + n_live - 1) * V,
+                hb + n_live - 1, o_k, o_v, n_live > 0, K, V, FAMILY,
+            )
+            for i in range(0, n_live):
+                j = n_live - 1 - i
+                kn, wn, dn, bn = _load_token(
+                    buf_k, buf_w, buf_decay, buf_beta, (gb + j - 1) * K, (hb + j - 1) * V, hb + j - 1,
+                    o_k, o_v, j > 0, K, V, FAMILY,
+                )
+                kv, v = _backward(v, kk, dd, bb, FAMILY)
+                acc += kv * ww
+                kk, ww, dd, bb = kn, wn, dn, bn
+        elif FAMILY == 2 or not CHUNKED:
+            # the buffered tokens C-1..0 unrolled, dead ones (≥ p) as identities
             for i in tl.static_range(C):
                 j = C - 1 - i
                 kk, ww, dd, bb = _load_token(
@@ -724,7 +743,7 @@ def spec_verify(
         T=t, H=h, G=g, K=kd, V=vd, BV=bv, C=pool.capacity, BC=_buffer_block(pool.capacity),
         M=m_rows, FAMILY=FAMILY_ID[family], SKETCH=sketch,
         HAS_SKIP=x.skip is not None, K_BF16=_keys_bf16(pool), EMULATE=_interpreting(), CHUNKED=cfg.chunked,
-        num_warps=cfg.num_warps,
+        LIVE_ONLY=cfg.live_only, num_warps=cfg.num_warps,
     )
     return out
 

@@ -10,8 +10,8 @@ V = 32
 
 
 def _distinct(candidates: list[tuple]) -> set[tuple]:
-    """Launch shapes after ``block_v`` is clipped to V (``chunked`` defaults to True, ``vec`` to 0)."""
-    return {(min(c[0], V), c[1], c[2] if len(c) > 2 else True, c[3] if len(c) > 3 else 0) for c in candidates}
+    """Launch shapes after ``block_v`` is clipped to V (defaults: chunked, vec 0, not live_only)."""
+    return {(min(c[0], V), c[1], *(list(c[2:]) + [True, 0, False][len(c) - 2:])) for c in candidates}
 
 
 @pytest.mark.parametrize("family", ["gdn", "kda", "mamba2"])
@@ -24,11 +24,10 @@ def test_tuned_dry_run_tries_every_candidate(family):
     )
     for kernel, group in (("replay", "read"), ("sketch", "read"), ("flush_replay", "flush")):
         tried = r["tuning"][kernel]
-        assert {(t["block_v"], t["num_warps"], t["chunked"], t["vec"]) for t in tried} == _distinct(
-            bench.TUNE_CANDIDATES[group][family]
-        )
+        fields = ("block_v", "num_warps", "chunked", "vec", "live_only")
+        assert {tuple(t[f] for f in fields) for t in tried} == _distinct(bench.TUNE_CANDIDATES[group][family])
         best = min(tried, key=lambda t: t["us"])
-        assert r["configs"][kernel] == {k: best[k] for k in ("block_v", "num_warps", "chunked", "vec")}
+        assert r["configs"][kernel] == {f: best[f] for f in fields}
     o = r["ops"]
     for mode in ("replay", "sketch"):  # a window is timed as one graph of L - 1 steps and a flush
         assert r["speedups"][f"{mode}_vs_standard"] == pytest.approx(

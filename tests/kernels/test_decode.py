@@ -109,6 +109,16 @@ def test_other_form_cpu(family, op):
     run_case(family, op, CPU_SHAPES[family][1], "fp32", "cpu", seed=4, config=config)
 
 
+@pytest.mark.parametrize("op", ["replay", "sketch", "spec_sketch"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_live_only_read_cpu(family, op):
+    """The token-by-token read as a rolled loop over the live buffered tokens only (a tuning
+    candidate): random fill levels, including an empty and a full buffer."""
+    config = decode.KernelConfig(16, 1, chunked=False, live_only=True)
+    for seed in (5, 6):
+        run_case(family, op, CPU_SHAPES[family][seed % 2], "fp32", "cpu", seed=seed, config=config)
+
+
 @pytest.mark.parametrize("vec", [0, 2])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_sweep_flush_tiny_and_zero_decays_cpu(family, vec):
