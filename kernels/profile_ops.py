@@ -8,7 +8,8 @@ Run from the repository root on a CUDA machine, under Nsight Compute for example
 ``OP`` is one of ``standard``, ``replay_step``, ``sketch_step``, ``replay_flush``,
 ``sketch_flush``. The window kernels run with ``pos`` = 8 buffered tokens (a mid-window step);
 the flushes with 15. Each op is launched three times (the first compiles), with the default
-launch shapes unless ``--block-v``/``--warps``/``--form``/``--vec`` say otherwise.
+launch shapes unless ``--block-v``/``--warps``/``--form``/``--vec``/``--maxnreg`` say
+otherwise.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def main() -> None:
     ap.add_argument("--warps", type=int)
     ap.add_argument("--form", choices=("chunked", "sweep"), help="closed (chunked) or token-by-token form")
     ap.add_argument("--vec", type=int, help="value columns per thread of a token-by-token flush tile")
+    ap.add_argument("--maxnreg", type=int, help="register cap per thread")
     args = ap.parse_args()
     bootstrap()
     import torch
@@ -53,7 +55,8 @@ def main() -> None:
     base = decode.default_config(kind, family)
     chunked = base.chunked if args.form is None else args.form == "chunked"
     cfg = decode.KernelConfig(args.block_v or base.block_v, args.warps or base.num_warps, chunked=chunked,
-                              vec=base.vec if args.vec is None else args.vec)
+                              vec=base.vec if args.vec is None else args.vec,
+                              maxnreg=base.maxnreg if args.maxnreg is None else args.maxnreg)
     pos = torch.full((b,), 15 if "flush" in args.op else 8, dtype=torch.int32, device="cuda")
     for _ in range(3):
         if args.op == "standard":

@@ -69,14 +69,14 @@ class KernelConfig:
     the token-by-token sweeps (KDA's read is always a sweep). ``vec`` (token-by-token flush only;
     0 = the compiler's choice) caps the value columns each thread holds of the [K, BV] tile: fewer
     columns per thread put more of each k·S reduction inside the thread (fewer shuffles) at the
-    cost of more key rows per thread. ``live_only`` (token-by-token read only) sweeps the live
-    buffered tokens in a rolled loop, instead of all C slots unrolled (dead ones as identities)."""
+    cost of more key rows per thread. ``maxnreg`` (0 = the compiler's choice) caps the registers
+    per thread, for more resident warps; what does not fit spills to local memory."""
 
     block_v: int
     num_warps: int
     chunked: bool = True
     vec: int = 0
-    live_only: bool = False
+    maxnreg: int = 0
 
 
 # Defaults by (kernel, family); ``block_v`` is clipped to V: the fastest launch shapes on an H200 at
@@ -389,7 +389,7 @@ def _read_kernel(
     T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, M: tl.constexpr,
     FAMILY: tl.constexpr, SKETCH: tl.constexpr, HAS_SKIP: tl.constexpr, K_BF16: tl.constexpr,
-    EMULATE: tl.constexpr, CHUNKED: tl.constexpr, LIVE_ONLY: tl.constexpr,
+    EMULATE: tl.constexpr, CHUNKED: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -465,25 +465,9 @@ def _read_kernel(
                 )
                 kv, v = _backward(v, kk, dd, bb, FAMILY)
                 acc += kv * ww
-        if (FAMILY == 2 or not CHUNKED) and LIVE_ONLY:
-            # the live buffered tokens p-1..0 in a rolled loop that loads token j − 1 while token j
-            # is applied (KDA always; the others when not CHUNKED)
-            n_live = tl.minimum(p, C)
-            kk, ww, dd, bb = _load_token(
-                buf_k, buf_w, buf_decay, buf_beta, (gb + n_live - 1) * K, (hb + n_live - 1) * V,
-                hb + n_live - 1, o_k, o_v, n_live > 0, K, V, FAMILY,
-            )
-            for i in range(0, n_live):
-                j = n_live - 1 - i
-                kn, wn, dn, bn = _load_token(
-                    buf_k, buf_w, buf_decay, buf_beta, (gb + j - 1) * K, (hb + j - 1) * V, hb + j - 1,
-                    o_k, o_v, j > 0, K, V, FAMILY,
-                )
-                kv, v = _backward(v, kk, dd, bb, FAMILY)
-                acc += kv * ww
-                kk, ww, dd, bb = kn, wn, dn, bn
-        elif FAMILY == 2 or not CHUNKED:
-            # the buffered tokens C-1..0 unrolled, dead ones (≥ p) as identities
+        if FAMILY == 2 or not CHUNKED:
+            # the buffered tokens C-1..0 unrolled, dead ones (≥ p) as identities: a rolled loop over
+            # the live ones only, each loaded during the one before, was slower on the H200
             for i in tl.static_range(C):
                 j = C - 1 - i
                 kk, ww, dd, bb = _load_token(
@@ -643,6 +627,10 @@ def _dims(family: str, x: StepInputs, heads: int) -> tuple[int, int, int, int, i
     return b, t, g, kd, vd, heads
 
 
+def _launch_options(cfg: KernelConfig) -> dict:
+    return {"num_warps": cfg.num_warps, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})}
+
+
 def _block_v(cfg: KernelConfig, vd: int) -> int:
     return max(1, min(cfg.block_v, vd))
 
@@ -703,7 +691,7 @@ def standard_step(
     _standard_kernel[(vd // bv, h, b)](
         state, slots, x.q, x.k, x.w, x.decay, _beta(x), x.skip if x.skip is not None else x.w, out,
         T=t, H=h, G=g, K=kd, V=vd, BV=bv, FAMILY=FAMILY_ID[family], HAS_SKIP=x.skip is not None,
-        num_warps=cfg.num_warps,
+        **_launch_options(cfg),
     )
     return out
 
@@ -743,7 +731,7 @@ def spec_verify(
         T=t, H=h, G=g, K=kd, V=vd, BV=bv, C=pool.capacity, BC=_buffer_block(pool.capacity),
         M=m_rows, FAMILY=FAMILY_ID[family], SKETCH=sketch,
         HAS_SKIP=x.skip is not None, K_BF16=_keys_bf16(pool), EMULATE=_interpreting(), CHUNKED=cfg.chunked,
-        LIVE_ONLY=cfg.live_only, num_warps=cfg.num_warps,
+        **_launch_options(cfg),
     )
     return out
 
@@ -825,6 +813,6 @@ def flush(
         FAMILY=FAMILY_ID[family], HAS_X=x is not None, HAS_SKIP=x is not None and x.skip is not None,
         HAS_READ=pool.read is not None, ROWS=sketch, SKETCH_OUT=sketch, K_BF16=_keys_bf16(pool),
         SKETCH_PREC=sketch_prec, EMULATE=_interpreting(), CHUNKED=cfg.chunked, VEC=cfg.vec,
-        num_warps=cfg.num_warps,
+        **_launch_options(cfg),
     )
     return out

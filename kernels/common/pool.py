@@ -146,6 +146,14 @@ class SketchTables:
     frames: Tensor
     read_rows: Tensor
 
+    def __post_init__(self) -> None:
+        # checked once here, not per step (that would be a host sync): the flush refreshes a
+        # head's read copy whole or not at all
+        key_dim = self.frames.shape[-1]
+        bad = sorted(set(self.read_rows.tolist()) - {0, key_dim})
+        if bad:
+            raise ValueError(f"read_rows must be {key_dim} (a dense head) or 0 per head, got {bad}")
+
     @property
     def map_rows(self) -> int:
         return self.maps.shape[1]
