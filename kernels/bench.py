@@ -66,14 +66,17 @@ TUNE_CANDIDATES: dict[str, dict[str, list[tuple]]] = {
     "standard": {f: [(64, 4)] for f in ("mamba2", "gdn", "kda")},
     "read": {
         "mamba2": [(64, 1), (64, 1, False), (64, 1, False, 0, 96), (64, 1, False, 0, 80)],
-        "gdn": [(64, 1, False), (64, 1), (64, 1, False, 0, 128)],
-        "kda": [(64, 1), (64, 1, True, 0, 128)],
+        "gdn": [(64, 1, False), (64, 1), (64, 1, False, 0, 128), (64, 1, False, 0, 112),
+                (64, 1, False, 0, 96)],
+        "kda": [(64, 1), (64, 1, True, 0, 144), (64, 1, True, 0, 112)],
     },
     "flush": {
-        "mamba2": [(64, 4), (32, 4), (16, 1, False), (16, 1, False, 4), (16, 1, False, 2),
-                   (16, 1, False, 2, 96)],
-        "gdn": [(64, 4), (16, 1, False), (16, 1, False, 4), (16, 1, False, 2), (32, 4, False, 2)],
-        "kda": [(16, 1, False), (16, 1, False, 4), (16, 1, False, 2), (32, 4, False, 2)],
+        "mamba2": [(64, 4), (32, 4), (16, 1, False, 2), (16, 1, False, 2, 96), (16, 1, False, 2, 80),
+                   (16, 1, False, 4, 96)],
+        "gdn": [(64, 4), (16, 1, False), (16, 1, False, 4), (16, 1, False, 2), (16, 1, False, 2, 112),
+                (16, 1, False, 2, 96), (16, 1, False, 4, 96)],
+        "kda": [(16, 1, False), (16, 1, False, 4), (16, 1, False, 2), (16, 1, False, 4, 112),
+                (16, 1, False, 4, 96)],
     },
 }
 
