@@ -84,7 +84,7 @@ class KernelConfig:
 # Defaults by (kernel, family); ``block_v`` is clipped to V: the fastest launch shapes on an H200 at
 # batch 256 among ``bench.TUNE_CANDIDATES`` (BENCHMARKS.md, "Decode kernels"), checked there by the
 # ``gpu`` tests with exactly these shapes. The token-by-token forms won everywhere but the Mamba-2
-# flush. ``bench.run_bench(tune=True)`` re-picks them on another device.
+# replay flush. ``bench.run_bench(tune=True)`` re-picks them on another device.
 DEFAULT_CONFIGS: dict[tuple[str, str], KernelConfig] = {
     ("standard", "mamba2"): KernelConfig(64, 4),
     ("standard", "gdn"): KernelConfig(64, 4),
@@ -92,15 +92,15 @@ DEFAULT_CONFIGS: dict[tuple[str, str], KernelConfig] = {
     ("replay", "mamba2"): KernelConfig(64, 1, chunked=False),
     ("replay", "gdn"): KernelConfig(64, 1, chunked=False),
     ("replay", "kda"): KernelConfig(64, 1),
-    ("sketch", "mamba2"): KernelConfig(64, 1, chunked=False),
-    ("sketch", "gdn"): KernelConfig(64, 1, chunked=False),
+    ("sketch", "mamba2"): KernelConfig(64, 1, chunked=False, maxnreg=96),
+    ("sketch", "gdn"): KernelConfig(64, 1, chunked=False, maxnreg=128),
     ("sketch", "kda"): KernelConfig(64, 1),
     ("flush_replay", "mamba2"): KernelConfig(32, 4),
-    ("flush_replay", "gdn"): KernelConfig(16, 1, chunked=False),
-    ("flush_replay", "kda"): KernelConfig(16, 1, chunked=False),
-    ("flush_sketch", "mamba2"): KernelConfig(64, 4),
-    ("flush_sketch", "gdn"): KernelConfig(16, 1, chunked=False),
-    ("flush_sketch", "kda"): KernelConfig(16, 1, chunked=False),
+    ("flush_replay", "gdn"): KernelConfig(16, 1, chunked=False, vec=2),
+    ("flush_replay", "kda"): KernelConfig(16, 1, chunked=False, vec=4),
+    ("flush_sketch", "mamba2"): KernelConfig(16, 1, chunked=False, vec=2, maxnreg=96),
+    ("flush_sketch", "gdn"): KernelConfig(16, 1, chunked=False, vec=2),
+    ("flush_sketch", "kda"): KernelConfig(16, 1, chunked=False, vec=4),
 }
 
 CHUNK_MIN = 16  # tl.dot needs at least 16 rows/columns: buffer tiles are padded to this
