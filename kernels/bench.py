@@ -59,7 +59,7 @@ MODEL_SHAPES = {
 
 READ_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
-# launch shapes tried with ``tune=True``: (block_v, num_warps[, chunked[, vec[, maxnreg[, ahead]]]]) per
+# launch shapes tried with ``tune=True``: (block_v, num_warps[, chunked[, vec[, maxnreg]]]) per
 # kernel and family (the fields of KernelConfig); block_v is clipped to V. The standard step keeps
 # the shape tuned earlier (BENCHMARKS.md).
 TUNE_CANDIDATES: dict[str, dict[str, list[tuple]]] = {
@@ -72,12 +72,11 @@ TUNE_CANDIDATES: dict[str, dict[str, list[tuple]]] = {
     },
     "flush": {
         "mamba2": [(64, 4), (32, 4), (16, 1, False, 2), (16, 1, False, 2, 96), (16, 1, False, 2, 80),
-                   (16, 1, False, 4, 96), (16, 1, False, 2, 96, 2)],
+                   (16, 1, False, 4, 96)],
         "gdn": [(64, 4), (16, 1, False), (16, 1, False, 4), (16, 1, False, 2), (16, 1, False, 2, 112),
-                (16, 1, False, 2, 96), (16, 1, False, 4, 96), (16, 1, False, 2, 0, 2),
-                (16, 1, False, 4, 0, 2)],
+                (16, 1, False, 2, 96), (16, 1, False, 4, 96)],
         "kda": [(16, 1, False), (16, 1, False, 4), (16, 1, False, 2), (16, 1, False, 4, 112),
-                (16, 1, False, 4, 96), (16, 1, False, 4, 0, 2), (16, 1, False, 2, 0, 2)],
+                (16, 1, False, 4, 96)],
     },
 }
 

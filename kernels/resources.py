@@ -58,7 +58,7 @@ def build(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True):
         return _compile(D._read_kernel, consts, cfg.num_warps, cfg.maxnreg)
     consts = dict(C=16, BC=16, LOG2_BC=4, HAS_X=True, HAS_READ=True, ROWS=sketch, SKETCH_OUT=sketch,
                   K_BF16=True, SKETCH_PREC="tf32", EMULATE=False, CHUNKED=cfg.chunked, VEC=cfg.vec,
-                  AHEAD=cfg.ahead, **common)
+                  **common)
     return _compile(D._flush_kernel, consts, cfg.num_warps, cfg.maxnreg)
 
 

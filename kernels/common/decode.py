@@ -70,15 +70,13 @@ class KernelConfig:
     0 = the compiler's choice) caps the value columns each thread holds of the [K, BV] tile: fewer
     columns per thread put more of each k·S reduction inside the thread (fewer shuffles) at the
     cost of more key rows per thread. ``maxnreg`` (0 = the compiler's choice) caps the registers
-    per thread, for more resident warps; what does not fit spills to local memory. ``ahead`` (1
-    or 2; token-by-token flush only): how many tokens ahead of the one applied are loaded."""
+    per thread, for more resident warps; what does not fit spills to local memory."""
 
     block_v: int
     num_warps: int
     chunked: bool = True
     vec: int = 0
     maxnreg: int = 0
-    ahead: int = 1
 
 
 # Defaults by (kernel, family); ``block_v`` is clipped to V: the fastest launch shapes on an H200 at
@@ -89,7 +87,7 @@ DEFAULT_CONFIGS: dict[tuple[str, str], KernelConfig] = {
     ("standard", "mamba2"): KernelConfig(64, 4),
     ("standard", "gdn"): KernelConfig(64, 4),
     ("standard", "kda"): KernelConfig(64, 4),
-    ("replay", "mamba2"): KernelConfig(64, 1, chunked=False),
+    ("replay", "mamba2"): KernelConfig(64, 1, chunked=False, maxnreg=96),
     ("replay", "gdn"): KernelConfig(64, 1, chunked=False),
     ("replay", "kda"): KernelConfig(64, 1),
     ("sketch", "mamba2"): KernelConfig(64, 1, chunked=False, maxnreg=96),
@@ -504,7 +502,7 @@ def _flush_kernel(
     C: tl.constexpr, BC: tl.constexpr, LOG2_BC: tl.constexpr, FAMILY: tl.constexpr,
     HAS_X: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_READ: tl.constexpr, ROWS: tl.constexpr,
     SKETCH_OUT: tl.constexpr, K_BF16: tl.constexpr, SKETCH_PREC: tl.constexpr, EMULATE: tl.constexpr,
-    CHUNKED: tl.constexpr, VEC: tl.constexpr, AHEAD: tl.constexpr,
+    CHUNKED: tl.constexpr, VEC: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -527,31 +525,23 @@ def _flush_kernel(
     o_c = tl.arange(0, BC)
     if not CHUNKED:  # token by token, any family
         # a rolled loop (an unrolled one overflows the instruction cache: ncu showed 59% of the
-        # stalls waiting for instructions) that loads token j + AHEAD while token j is applied;
-        # scalar decays go into a separate scale (_forward_scaled), applied once at the end
+        # stalls waiting for instructions) that loads token j + 1 while token j is applied (two
+        # ahead was slower on the H200); scalar decays go into a separate scale
+        # (_forward_scaled), applied once at the end
         kk, ww, dd, bb = _load_token(
             buf_k, buf_w, buf_decay, buf_beta, gb * K, hb * V, hb, o_k, o_v, n > 0, K, V, FAMILY,
         )
-        if AHEAD == 2:
-            k1, w1, d1, b1 = _load_token(
-                buf_k, buf_w, buf_decay, buf_beta, (gb + 1) * K, (hb + 1) * V, hb + 1, o_k, o_v,
-                n > 1, K, V, FAMILY,
-            )
         scale = dd * 0.0 + 1.0  # Mamba-2, GDN: the decay product so far (KDA: unused)
         for j in range(0, n):
             kn, wn, dn, bn = _load_token(
-                buf_k, buf_w, buf_decay, buf_beta, (gb + j + AHEAD) * K, (hb + j + AHEAD) * V,
-                hb + j + AHEAD, o_k, o_v, j + AHEAD < n, K, V, FAMILY,
+                buf_k, buf_w, buf_decay, buf_beta, (gb + j + 1) * K, (hb + j + 1) * V, hb + j + 1,
+                o_k, o_v, j + 1 < n, K, V, FAMILY,
             )
             if FAMILY == 2:  # per-channel decays go straight into the tile
                 S = _forward(S, kk, ww, dd, bb, FAMILY)
             else:
                 S, scale = _forward_scaled(S, scale, kk, ww, dd, bb, FAMILY)
-            if AHEAD == 2:
-                kk, ww, dd, bb = k1, w1, d1, b1
-                k1, w1, d1, b1 = kn, wn, dn, bn
-            else:
-                kk, ww, dd, bb = kn, wn, dn, bn
+            kk, ww, dd, bb = kn, wn, dn, bn
         if FAMILY != 2:
             S = S * scale
     elif FAMILY == 2:
@@ -805,8 +795,6 @@ def flush(
     else:
         b = slots.shape[0]
     cfg = config or default_config("flush_sketch" if sketch else "flush_replay", family)
-    if cfg.ahead not in (1, 2):
-        raise ValueError(f"KernelConfig.ahead must be 1 or 2, got {cfg.ahead}")
     bv = max(_block_v(cfg, vd), CHUNK_MIN)  # tl.dot needs 16 columns
     sk = pool.sketch if sketch else pool.state
     # a low-precision sketch is rounded to ≤ 8 mantissa bits anyway: one tf32 pass is enough
@@ -826,6 +814,6 @@ def flush(
         FAMILY=FAMILY_ID[family], HAS_X=x is not None, HAS_SKIP=x is not None and x.skip is not None,
         HAS_READ=pool.read is not None, ROWS=sketch, SKETCH_OUT=sketch, K_BF16=_keys_bf16(pool),
         SKETCH_PREC=sketch_prec, EMULATE=_interpreting(), CHUNKED=cfg.chunked, VEC=cfg.vec,
-        AHEAD=cfg.ahead, **_launch_options(cfg),
+        **_launch_options(cfg),
     )
     return out

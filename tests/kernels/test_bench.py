@@ -10,8 +10,8 @@ V = 32
 
 
 def _distinct(candidates: list[tuple]) -> set[tuple]:
-    """Launch shapes after ``block_v`` is clipped to V (defaults: chunked, vec 0, maxnreg 0, ahead 1)."""
-    return {(min(c[0], V), c[1], *(list(c[2:]) + [True, 0, 0, 1][len(c) - 2:])) for c in candidates}
+    """Launch shapes after ``block_v`` is clipped to V (defaults: chunked, vec 0, maxnreg 0)."""
+    return {(min(c[0], V), c[1], *(list(c[2:]) + [True, 0, 0][len(c) - 2:])) for c in candidates}
 
 
 @pytest.mark.parametrize("family", ["gdn", "kda", "mamba2"])
@@ -24,7 +24,7 @@ def test_tuned_dry_run_tries_every_candidate(family):
     )
     for kernel, group in (("replay", "read"), ("sketch", "read"), ("flush_replay", "flush")):
         tried = r["tuning"][kernel]
-        fields = ("block_v", "num_warps", "chunked", "vec", "maxnreg", "ahead")
+        fields = ("block_v", "num_warps", "chunked", "vec", "maxnreg")
         assert {tuple(t[f] for f in fields) for t in tried} == _distinct(bench.TUNE_CANDIDATES[group][family])
         best = min(tried, key=lambda t: t["us"])
         assert r["configs"][kernel] == {f: best[f] for f in fields}
