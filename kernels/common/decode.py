@@ -30,18 +30,20 @@ Math per program (one slot, one head, one tile of BV value columns; n buffered t
   then in closed form. Mamba-2: c_j = g_j (k_j·q), u = g_{−1} q. GDN (Gram form): with
   z = (I + U)⁻¹ (K_b q), U_{ji} = β_i G_{ji} (i > j) — a back-substitution on n scalars —
   c_j = g_j z_j and u = g_{−1}(q − K_bᵀ(β⊙z)). KDA: the sequential sweep, which the other families
-  can also use (``KernelConfig.chunked=False``).
+  can also use (``KernelConfig.chunked=False``: every family's default, faster on the H200).
 - flush (chunked, tensor cores): Mamba-2 ``S ← g_{−1} S + K_bᵀ (g⊙W)``; GDN (UT form)
   ``D = (I + L)⁻¹ (W − (β⊙γ) K_b S)``, ``L_{ji} = β_j (α_{i+1}⋯α_j) G_{ji}`` (j > i),
   ``S ← γ_n S + K_bᵀ (g⊙D)`` with γ_j = α_0⋯α_j; KDA the same with per-channel decays
-  (:func:`_kda_chunk`). Any family can flush token by token instead (``KernelConfig.chunked=False``;
-  KDA's default, faster on the H200). ``(I + L)⁻¹`` is
+  (:func:`_kda_chunk`). Any family can flush token by token instead (``KernelConfig.chunked=False``:
+  the default for GDN, KDA and the Mamba-2 sketch flush, faster on the H200; scalar decays then
+  ride in a separate scale, :func:`_forward_scaled`). ``(I + L)⁻¹`` is
   the product ``(I − L)(I + L²)(I + L⁴)(I + L⁸)`` (L is nilpotent). The new token of a flush
   call is applied after the chunk, token by token.
 
 Precision: the checkpoint stays an fp32 recurrence. Every tensor-core product that feeds it is
 fp32-accurate: bf16 keys times an fp32 tile split into three bf16 terms (exact products, fp32
-accumulation), or 3xTF32; products of decays are running products, never ratios, so nothing
+accumulation), or 3xTF32; products of decays are running products, never ratios (the token-by-
+token flush's scale is folded in before its reciprocal passes 2⁶⁴), so nothing
 overflows. Only the sketch of a bf16 read copy is written with one tf32 pass (its rounding is
 below the bf16 store's).
 """
