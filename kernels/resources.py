@@ -4,6 +4,7 @@ Run from the repository root with the package installed (``pip install -e .``)::
 
     python kernels/resources.py                 # every kernel, default launch shapes, sm_90
     python kernels/resources.py read gdn 64 1 sweep   # one build: kernel family BV warps [sweep] [replay]
+                                                      # [vec=N] [cap=N]
 
 Prints one line per build: kernel, family, mode, launch shape, registers per thread, stack
 bytes (spills), and the occupancy those registers allow (warps per SM out of 64, from the 64 K-register
@@ -80,14 +81,17 @@ def report(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True) -
     warps = min(64, (65536 // max(1, regs * 32)) // cfg.num_warps * cfg.num_warps)
     mode = ("sketch" if sketch else "replay") if kernel != "standard" else "-"
     form = "chunked" if cfg.chunked else "sweep"
-    return (f"{kernel:8s} {family:6s} {mode:6s} BV={cfg.block_v:<3d} warps={cfg.num_warps} {form:7s} "
-            f"regs={regs:3d} stack={spills:5d}B  occupancy≤{warps}/64 warps")
+    extra = (f" vec={cfg.vec}" if cfg.vec else "") + (f" cap={cfg.maxnreg}" if cfg.maxnreg else "")
+    return (f"{kernel:8s} {family:6s} {mode:6s} BV={cfg.block_v:<3d} warps={cfg.num_warps} {form:7s}"
+            f"{extra:14s} regs={regs:3d} stack={spills:5d}B  occupancy≤{warps}/64 warps")
 
 
 def main(argv: list[str]) -> None:
     if argv:
         kernel, family, bv, nw, *rest = argv
-        cfg = D.KernelConfig(int(bv), int(nw), chunked="sweep" not in rest)
+        opts = dict(r.split("=") for r in rest if "=" in r)
+        cfg = D.KernelConfig(int(bv), int(nw), chunked="sweep" not in rest, vec=int(opts.get("vec", 0)),
+                             maxnreg=int(opts.get("cap", 0)))
         print(report(kernel, family, cfg, sketch="replay" not in rest), flush=True)
         return
     for family in ("gdn", "kda", "mamba2"):
