@@ -396,25 +396,34 @@ def _read_kernel(
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
     i_b = tl.program_id(2)
-    # loads that depend on nothing are issued together, before the first branch
-    s = tl.load(slots + i_b).to(tl.int64)
-    p = tl.load(pos + i_b)
-    m = tl.load(ranks + i_h) if SKETCH else 0
-    if s < 0:
-        return
     i_g = i_h // (H // G)
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
-    live = s >= 0
-    sk_h = sk + (s * H + i_h) * sk_head_stride
+    o_r8 = tl.arange(0, 8)
+    # no early exit for padding (an exit waits for the slot, and the compiler sinks every load
+    # below it): a padding entry reads slot 0 with an empty buffer and stores nothing. So the loads
+    # that do not need the slot are in flight with it: pos, rank, the first new token's inputs and
+    # query, the first 8 map rows (rows past a head's rank are zero in the maps).
+    s_in = tl.load(slots + i_b)
+    live = s_in >= 0
+    s = tl.maximum(s_in, 0).to(tl.int64)
+    p = tl.where(live, tl.load(pos + i_b), 0)
+    m = tl.load(ranks + i_h) if SKETCH else 0
+    x0 = i_b * T
+    k0, w0, d0, b0 = _load_token(
+        k, w, decay, beta, (x0 * G + i_g) * K, (x0 * H + i_h) * V, x0 * H + i_h, o_k, o_v, i_b >= 0,
+        K, V, FAMILY,
+    )
+    q0 = tl.load(q + (x0 * G + i_g) * K + o_k).to(tl.float32)
     if SKETCH:
-        # the first 8 map and sketch rows, in flight while the buffer is worked through
-        o_r8 = tl.arange(0, 8)
-        rows8 = o_r8[:, None] < m
-        pm0 = tl.load(maps + (i_h * M + o_r8[:, None]) * K + o_k[None, :], mask=rows8, other=0.0)
-        st0 = tl.load(sk_h + o_r8[:, None] * V + o_v[None, :], mask=rows8, other=0.0)
+        pm0 = tl.load(maps + (i_h * M + o_r8[:, None]) * K + o_k[None, :], mask=o_r8[:, None] < M, other=0.0)
     else:
         pm0 = tl.zeros([8, K], dtype=tl.float32)
+    sk_h = sk + (s * H + i_h) * sk_head_stride
+    if SKETCH:
+        # the first 8 sketch rows, in flight while the buffer is worked through
+        st0 = tl.load(sk_h + o_r8[:, None] * V + o_v[None, :], mask=o_r8[:, None] < m, other=0.0)
+    else:
         st0 = tl.zeros([8, BV], dtype=tl.float32)
     hb = (s * H + i_h) * C  # this head's first buffer entry
     gb = (s * G + i_g) * C  # this group's first buffer entry
@@ -422,24 +431,26 @@ def _read_kernel(
     # decay and beta, and the first head of the group its k. Reads below touch entries < p only.
     for t in tl.static_range(T):
         jw = p + t
-        ok = jw < C
+        ok = (jw < C) & live
         x_t = i_b * T + t
-        w_new = tl.load(w + (x_t * H + i_h) * V + o_v)
+        if t == 0:
+            k_new, w_new, d_new, b_new = k0, w0, d0, b0
+        else:
+            k_new, w_new, d_new, b_new = _load_token(
+                k, w, decay, beta, (x_t * G + i_g) * K, (x_t * H + i_h) * V, x_t * H + i_h, o_k, o_v,
+                live, K, V, FAMILY,
+            )
         mw = o_v < tl.where(ok, V, 0)
         tl.store(buf_w + (hb + jw) * V + o_v, w_new.to(buf_w.dtype.element_ty), mask=mw)
         if i_v == 0:
             if FAMILY == 2:
-                d_new = tl.load(decay + (x_t * H + i_h) * K + o_k)
                 mk = o_k < tl.where(ok, K, 0)
                 tl.store(buf_decay + (hb + jw) * K + o_k, d_new.to(buf_decay.dtype.element_ty), mask=mk)
             else:
-                d_new = tl.load(decay + x_t * H + i_h)
                 tl.store(buf_decay + hb + jw, d_new.to(buf_decay.dtype.element_ty), mask=ok)
             if FAMILY != 0:
-                b_new = tl.load(beta + x_t * H + i_h)
                 tl.store(buf_beta + hb + jw, b_new.to(buf_beta.dtype.element_ty), mask=ok)
             if i_h % (H // G) == 0:
-                k_new = tl.load(k + (x_t * G + i_g) * K + o_k)
                 mk = o_k < tl.where(ok, K, 0)
                 tl.store(buf_k + (gb + jw) * K + o_k, k_new.to(buf_k.dtype.element_ty), mask=mk)
     rd_h = rd + (s * H + i_h) * (K * V)
@@ -454,17 +465,23 @@ def _read_kernel(
             upper = tl.where(o_c[None, :] > o_c[:, None], _gram(kb, K_BF16, EMULATE) * bt[None, :], 0.0)
     for t in tl.static_range(T):
         x_t = i_b * T + t
-        v = tl.load(q + (x_t * G + i_g) * K + o_k).to(tl.float32)
+        if t == 0:  # noqa: SIM108  (a constexpr branch: the other side is never compiled)
+            v = q0
+        else:
+            v = tl.load(q + (x_t * G + i_g) * K + o_k).to(tl.float32)
         acc = tl.zeros([BV], dtype=tl.float32)
         # the new tokens t..0, one by one
         for i in tl.static_range(T):
             d = T - 1 - i
             if d <= t:
                 x_d = i_b * T + d
-                kk, ww, dd, bb = _load_token(
-                    k, w, decay, beta, (x_d * G + i_g) * K, (x_d * H + i_h) * V, x_d * H + i_h,
-                    o_k, o_v, live, K, V, FAMILY,
-                )
+                if d == 0:
+                    kk, ww, dd, bb = k0, w0, d0, b0
+                else:
+                    kk, ww, dd, bb = _load_token(
+                        k, w, decay, beta, (x_d * G + i_g) * K, (x_d * H + i_h) * V, x_d * H + i_h,
+                        o_k, o_v, live, K, V, FAMILY,
+                    )
                 kv, v = _backward(v, kk, dd, bb, FAMILY)
                 acc += kv * ww
         if FAMILY == 2 or not CHUNKED:
@@ -492,7 +509,7 @@ def _read_kernel(
         o = acc + _checkpoint_read(v, rd_h, sk_h, m, pm0, st0, maps, i_h, o_k, o_v, K, V, M, SKETCH)
         if HAS_SKIP:
             o += tl.load(skip + (x_t * H + i_h) * V + o_v).to(tl.float32)
-        tl.store(out + (x_t * H + i_h) * V + o_v, o.to(out.dtype.element_ty))
+        tl.store(out + (x_t * H + i_h) * V + o_v, o.to(out.dtype.element_ty), mask=o_v < tl.where(live, V, 0))
 
 
 @triton.jit
