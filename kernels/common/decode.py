@@ -402,8 +402,9 @@ def _read_kernel(
     o_r8 = tl.arange(0, 8)
     # no early exit for padding (an exit waits for the slot, and the compiler sinks every load
     # below it): a padding entry reads slot 0 with an empty buffer and stores nothing. So the loads
-    # that do not need the slot are in flight with it: pos, rank, the first new token's inputs and
-    # query, the first 8 map rows (rows past a head's rank are zero in the maps).
+    # that do not need the slot are in flight with it, unmasked by it: pos, rank, the first new
+    # token's inputs and query, the first 8 map rows (rows past the head's rank meet sketch rows
+    # masked to zero).
     s_in = tl.load(slots + i_b)
     live = s_in >= 0
     s = tl.maximum(s_in, 0).to(tl.int64)
