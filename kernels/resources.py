@@ -36,12 +36,12 @@ PTR = {
 }
 
 
-def _compile(fn, consts: dict, num_warps: int, maxnreg: int = 0):
+def _compile(fn, consts: dict, cfg: D.KernelConfig):
     sig = {n: "constexpr" if n in consts else PTR.get(n, "*fp32") for n in fn.arg_names}
     # as at a real launch: every pointer (torch allocations) and the strides are 16-divisible
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in consts}
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=TARGET,
-                          options=dict(num_warps=num_warps, **({"maxnreg": maxnreg} if maxnreg else {})))
+                          options=D._launch_options(cfg))
 
 
 def build(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True):
@@ -52,15 +52,15 @@ def build(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True):
     common = dict(H=s.heads, G=s.groups, K=s.key_dim, V=s.value_dim, BV=bv, FAMILY=fam,
                   HAS_SKIP=family == "mamba2")
     if kernel == "standard":
-        return _compile(D._standard_kernel, dict(T=1, **common), cfg.num_warps)
+        return _compile(D._standard_kernel, dict(T=1, **common), cfg)
     if kernel == "read":
         consts = dict(T=1, C=16, BC=16, M=32, SKETCH=sketch, K_BF16=True, EMULATE=False,
                       CHUNKED=cfg.chunked, **common)
-        return _compile(D._read_kernel, consts, cfg.num_warps, cfg.maxnreg)
+        return _compile(D._read_kernel, consts, cfg)
     consts = dict(C=16, BC=16, LOG2_BC=4, HAS_X=True, HAS_READ=True, ROWS=sketch, SKETCH_OUT=sketch,
                   K_BF16=True, SKETCH_PREC="tf32", EMULATE=False, CHUNKED=cfg.chunked, VEC=cfg.vec,
                   **common)
-    return _compile(D._flush_kernel, consts, cfg.num_warps, cfg.maxnreg)
+    return _compile(D._flush_kernel, consts, cfg)
 
 
 def resource_usage(cubin: bytes) -> tuple[int, int]:

@@ -649,6 +649,7 @@ def _dims(family: str, x: StepInputs, heads: int) -> tuple[int, int, int, int, i
 
 
 def _launch_options(cfg: KernelConfig) -> dict:
+    """Triton launch (and compile) options of a launch shape."""
     return {"num_warps": cfg.num_warps, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})}
 
 
