@@ -23,7 +23,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -59,21 +59,33 @@ MODEL_SHAPES = {
 
 READ_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
-# launch shapes tried with ``tune=True``: (block_v, num_warps[, chunked[, vec[, maxnreg]]]) per
-# kernel and family (the fields of KernelConfig); block_v is clipped to V. The standard step keeps
-# the shape tuned earlier (BENCHMARKS.md). Register caps that lost in both of the late session's
-# final runs on the H200 were dropped (BENCHMARKS.md lists them).
-TUNE_CANDIDATES: dict[str, dict[str, list[tuple]]] = {
-    "standard": {f: [(64, 4)] for f in ("mamba2", "gdn", "kda")},
-    "read": {
-        "mamba2": [(64, 1), (64, 1, False), (64, 1, False, 0, 96)],
-        "gdn": [(64, 1, False), (64, 1), (64, 1, False, 0, 128)],
-        "kda": [(64, 1)],
+# Launch shapes tried with ``tune=True``, per candidate group and family; block_v is clipped to V.
+# The standard step keeps the shape tuned earlier (BENCHMARKS.md). Register caps that lost in both of
+# the late session's final runs on the H200 were dropped (BENCHMARKS.md lists them). Sketch reads
+# take a dense head's read copy 16 rows at a time (``dense_rows``), which leaves them at ~80
+# registers instead of ~160, so caps down to 64 (32 one-warp programs per SM) are tried.
+_K = KernelConfig
+TUNE_CANDIDATES: dict[str, dict[str, list[KernelConfig]]] = {
+    "standard": {f: [_K(64, 4)] for f in ("mamba2", "gdn", "kda")},
+    "replay": {
+        "mamba2": [_K(64, 1), _K(64, 1, False), _K(64, 1, False, maxnreg=96)],
+        "gdn": [_K(64, 1, False), _K(64, 1), _K(64, 1, False, dense_rows=16)],
+        "kda": [_K(64, 1), _K(64, 1, group=4), _K(64, 1, dense_rows=16)],
+    },
+    "sketch": {
+        f: [
+            _K(64, 1, chunked, dense_rows=16),
+            _K(64, 1, chunked, maxnreg=72, dense_rows=16),
+            _K(64, 1, chunked, maxnreg=64, dense_rows=16),
+            _K(64, 1, chunked, maxnreg=64, group=4, dense_rows=16),
+            _K(32, 1, chunked, maxnreg=64, dense_rows=16),
+        ]
+        for f, chunked in (("mamba2", False), ("gdn", False), ("kda", True))
     },
     "flush": {
-        "mamba2": [(64, 4), (32, 4), (16, 1, False, 2), (16, 1, False, 2, 96)],
-        "gdn": [(64, 4), (16, 1, False), (16, 1, False, 4), (16, 1, False, 2)],
-        "kda": [(16, 1, False), (16, 1, False, 4), (16, 1, False, 2)],
+        "mamba2": [_K(64, 4), _K(32, 4), _K(16, 1, False, 2), _K(16, 1, False, 2, 96)],
+        "gdn": [_K(64, 4), _K(16, 1, False), _K(16, 1, False, 4), _K(16, 1, False, 2)],
+        "kda": [_K(16, 1, False), _K(16, 1, False, 4), _K(16, 1, False, 2)],
     },
 }
 
@@ -442,14 +454,14 @@ def run_bench(
     if tune:
         for kernel, kind, make, calls in (
             ("standard", "standard", lambda c: standard_fn(c, 2), 2 * pools),
-            ("replay", "read", lambda c: steps_fn(False, c), (window - 1) * pools),
-            ("sketch", "read", lambda c: steps_fn(True, c), (window - 1) * pools),
+            ("replay", "replay", lambda c: steps_fn(False, c), (window - 1) * pools),
+            ("sketch", "sketch", lambda c: steps_fn(True, c), (window - 1) * pools),
             ("flush_replay", "flush", lambda c: flush_fn(False, c), pools),
             ("flush_sketch", "flush", lambda c: flush_fn(True, c), pools),
         ):
             seen, trials = set(), []
             for cand in TUNE_CANDIDATES[kind][family]:
-                c = KernelConfig(min(cand[0], vd), *cand[1:])
+                c = replace(cand, block_v=min(cand.block_v, vd))
                 if c in seen:
                     continue
                 seen.add(c)

@@ -72,13 +72,20 @@ class KernelConfig:
     0 = the compiler's choice) caps the value columns each thread holds of the [K, BV] tile: fewer
     columns per thread put more of each k·S reduction inside the thread (fewer shuffles) at the
     cost of more key rows per thread. ``maxnreg`` (0 = the compiler's choice) caps the registers
-    per thread, for more resident warps; what does not fit spills to local memory."""
+    per thread, for more resident warps; what does not fit spills to local memory. ``group``
+    (token-by-token reads only; 0 = every buffer slot, unrolled) sweeps only the live buffered
+    tokens, ``group`` per iteration of a rolled loop: less work on a short buffer, one load wait
+    per group instead of one per read. ``dense_rows`` (reads; 0 = all K at once) reads a dense
+    head's read copy that many rows at a time: the [K, BV] tile otherwise sets the register count
+    of the whole read kernel, the sketch heads' branch included."""
 
     block_v: int
     num_warps: int
     chunked: bool = True
     vec: int = 0
     maxnreg: int = 0
+    group: int = 0
+    dense_rows: int = 0
 
 
 # Defaults by (kernel, family); ``block_v`` is clipped to V: the fastest launch shapes on an H200 at
@@ -92,9 +99,9 @@ DEFAULT_CONFIGS: dict[tuple[str, str], KernelConfig] = {
     ("replay", "mamba2"): KernelConfig(64, 1, chunked=False, maxnreg=96),
     ("replay", "gdn"): KernelConfig(64, 1, chunked=False),
     ("replay", "kda"): KernelConfig(64, 1),
-    ("sketch", "mamba2"): KernelConfig(64, 1, chunked=False, maxnreg=96),
-    ("sketch", "gdn"): KernelConfig(64, 1, chunked=False, maxnreg=128),
-    ("sketch", "kda"): KernelConfig(64, 1),
+    ("sketch", "mamba2"): KernelConfig(64, 1, chunked=False, dense_rows=16),
+    ("sketch", "gdn"): KernelConfig(64, 1, chunked=False, dense_rows=16),
+    ("sketch", "kda"): KernelConfig(64, 1, dense_rows=16),
     ("flush_replay", "mamba2"): KernelConfig(32, 4),
     ("flush_replay", "gdn"): KernelConfig(16, 1, chunked=False, vec=2),
     ("flush_replay", "kda"): KernelConfig(16, 1, chunked=False, vec=4),
@@ -266,15 +273,26 @@ def _unit_lower_inverse(low, o_c, LOG2_BC: tl.constexpr):
 
 
 @triton.jit
-def _dense_read(v, rd_h, o_k, o_v, V: tl.constexpr):
-    rc = tl.load(rd_h + o_k[:, None] * V + o_v[None, :]).to(tl.float32)
-    return tl.sum(rc * v[:, None], axis=0)
+def _dense_read(v, rd_h, o_k, o_v, V: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr):
+    """``S_cᵀ v`` [BV] from the read copy of one head. ``ROWS`` > 0: ROWS rows at a time (a rolled
+    loop; each block's share of ``v`` is gathered from registers), so a [ROWS, BV] tile is live
+    instead of [K, BV]."""
+    if ROWS == 0:
+        rc = tl.load(rd_h + o_k[:, None] * V + o_v[None, :]).to(tl.float32)
+        o = tl.sum(rc * v[:, None], axis=0)
+    else:
+        o_b = tl.arange(0, ROWS)
+        o = tl.zeros([o_v.shape[0]], dtype=tl.float32)
+        for k0 in range(0, K, ROWS):
+            rc = tl.load(rd_h + (k0 + o_b)[:, None] * V + o_v[None, :]).to(tl.float32)
+            o += tl.sum(rc * tl.gather(v, k0 + o_b, 0)[:, None], axis=0)
+    return o
 
 
 @triton.jit
 def _checkpoint_read(
     v, rd_h, sk_h, m, pm0, st0, maps, i_h, o_k, o_v,
-    K: tl.constexpr, V: tl.constexpr, M: tl.constexpr, SKETCH: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, M: tl.constexpr, SKETCH: tl.constexpr, ROWS: tl.constexpr,
 ):
     """``S_cᵀ u`` from the read copy, or ``(R_{:m} S_c)ᵀ (P u)`` for a head of rank m > 0.
 
@@ -293,9 +311,9 @@ def _checkpoint_read(
                 st = tl.load(sk_h + (r0 + o_r[:, None]) * V + o_v[None, :], mask=rows, other=0.0)
                 o += tl.sum(st.to(tl.float32) * coeff[:, None], axis=0)
         else:
-            o = _dense_read(v, rd_h, o_k, o_v, V)
+            o = _dense_read(v, rd_h, o_k, o_v, V, K, ROWS)
     else:
-        o = _dense_read(v, rd_h, o_k, o_v, V)
+        o = _dense_read(v, rd_h, o_k, o_v, V, K, ROWS)
     return o
 
 
@@ -391,7 +409,7 @@ def _read_kernel(
     T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, M: tl.constexpr,
     FAMILY: tl.constexpr, SKETCH: tl.constexpr, HAS_SKIP: tl.constexpr, K_BF16: tl.constexpr,
-    EMULATE: tl.constexpr, CHUNKED: tl.constexpr,
+    EMULATE: tl.constexpr, CHUNKED: tl.constexpr, GROUP: tl.constexpr, DENSE_ROWS: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -485,7 +503,7 @@ def _read_kernel(
                     )
                 kv, v = _backward(v, kk, dd, bb, FAMILY)
                 acc += kv * ww
-        if FAMILY == 2 or not CHUNKED:
+        if (FAMILY == 2 or not CHUNKED) and GROUP == 0:
             # the buffered tokens C-1..0 unrolled, dead ones (≥ p) as identities: a rolled loop over
             # the live ones only, each loaded during the one before, was slower on the H200
             for i in tl.static_range(C):
@@ -496,6 +514,19 @@ def _read_kernel(
                 )
                 kv, v = _backward(v, kk, dd, bb, FAMILY)
                 acc += kv * ww
+        elif FAMILY == 2 or not CHUNKED:
+            # the live tokens p-1..0, GROUP per iteration (the group's loads issue together); the
+            # last group runs past token 0 with identities
+            for j0 in range(0, p, GROUP):
+                for i in tl.static_range(GROUP):
+                    j = p - 1 - j0 - i
+                    jc = tl.maximum(j, 0)
+                    kk, ww, dd, bb = _load_token(
+                        buf_k, buf_w, buf_decay, buf_beta, (gb + jc) * K, (hb + jc) * V, hb + jc,
+                        o_k, o_v, j >= 0, K, V, FAMILY,
+                    )
+                    kv, v = _backward(v, kk, dd, bb, FAMILY)
+                    acc += kv * ww
         else:
             z = tl.sum(kb.to(tl.float32) * v[None, :], axis=1)  # K_b q
             if FAMILY == 1:
@@ -507,7 +538,9 @@ def _read_kernel(
                 v = v - tl.sum((bt * z)[:, None] * kb.to(tl.float32), axis=0)
             acc += tl.sum((g * z)[:, None] * wb, axis=0)
             v = v * total
-        o = acc + _checkpoint_read(v, rd_h, sk_h, m, pm0, st0, maps, i_h, o_k, o_v, K, V, M, SKETCH)
+        o = acc + _checkpoint_read(
+            v, rd_h, sk_h, m, pm0, st0, maps, i_h, o_k, o_v, K, V, M, SKETCH, DENSE_ROWS,
+        )
         if HAS_SKIP:
             o += tl.load(skip + (x_t * H + i_h) * V + o_v).to(tl.float32)
         tl.store(out + (x_t * H + i_h) * V + o_v, o.to(out.dtype.element_ty), mask=o_v < tl.where(live, V, 0))
@@ -753,7 +786,7 @@ def spec_verify(
         T=t, H=h, G=g, K=kd, V=vd, BV=bv, C=pool.capacity, BC=_buffer_block(pool.capacity),
         M=m_rows, FAMILY=FAMILY_ID[family], SKETCH=sketch,
         HAS_SKIP=x.skip is not None, K_BF16=_keys_bf16(pool), EMULATE=_interpreting(), CHUNKED=cfg.chunked,
-        **_launch_options(cfg),
+        GROUP=cfg.group, DENSE_ROWS=min(cfg.dense_rows, kd), **_launch_options(cfg),
     )
     return out
 

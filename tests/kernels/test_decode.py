@@ -7,6 +7,8 @@ Tolerances (relative, ‖got − ref‖ / ‖ref‖): 1e-5 for fp32 results (the
 and read copies in the fp32 cases), 1e-2 for bf16 outputs and read copies.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -117,6 +119,27 @@ def test_register_cap_cpu(op):
     run_case("gdn", op, CPU_SHAPES["gdn"][0], "fp32", "cpu", seed=5, config=config)
 
 
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("op", ["replay", "sketch", "spec_sketch"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_grouped_read_sweep_cpu(family, op, group):
+    """The read's sweep over the live tokens only, ``group`` per rolled iteration
+    (``KernelConfig.group``): buffers of 0..capacity tokens, so groups end early, fill up and
+    run past token 0."""
+    config = decode.KernelConfig(16, 1, chunked=False, group=group)
+    run_case(family, op, CPU_SHAPES[family][1], "fp32", "cpu", seed=6 + group, config=config)
+
+
+@pytest.mark.parametrize("rows", [0, 8])
+@pytest.mark.parametrize("op", ["replay", "sketch", "spec_sketch"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_dense_read_by_rows_cpu(family, op, rows):
+    """A dense head's read copy read ``dense_rows`` rows at a time (each block's share of the
+    query gathered from registers) or whole: several blocks per head at K = 32."""
+    config = decode.KernelConfig(16, 1, chunked=False, dense_rows=rows)
+    run_case(family, op, CPU_SHAPES[family][1], "fp32", "cpu", seed=9, config=config)
+
+
 @pytest.mark.parametrize("vec", [0, 2])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_sweep_flush_tiny_and_zero_decays_cpu(family, vec):
@@ -186,7 +209,7 @@ def _candidates() -> list[tuple[str, str, tuple]]:
 
     cases = []
     for family in FAMILIES:
-        for op, group in (("sketch", "read"), ("flush_sketch", "flush")):
+        for op, group in (("sketch", "sketch"), ("flush_sketch", "flush")):
             cases += [(family, op, cand) for cand in TUNE_CANDIDATES[group][family]]
     return cases
 
@@ -195,5 +218,5 @@ def _candidates() -> list[tuple[str, str, tuple]]:
 @pytest.mark.parametrize(("family", "op", "cand"), _candidates())
 def test_tuning_candidates_gpu(family, op, cand):
     """Every launch shape the benchmark may pick (and make a default) is right at the real shape."""
-    config = decode.KernelConfig(min(cand[0], GPU_SHAPES[family][3]), *cand[1:])
+    config = replace(cand, block_v=min(cand.block_v, GPU_SHAPES[family][3]))
     run_case(family, op, GPU_SHAPES[family], "bf16", "cuda", seed=11, real=True, config=config)
