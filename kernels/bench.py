@@ -68,24 +68,21 @@ _K = KernelConfig
 TUNE_CANDIDATES: dict[str, dict[str, list[KernelConfig]]] = {
     "standard": {f: [_K(64, 4)] for f in ("mamba2", "gdn", "kda")},
     "replay": {
-        "mamba2": [_K(64, 1), _K(64, 1, False), _K(64, 1, False, maxnreg=96)],
-        "gdn": [_K(64, 1, False), _K(64, 1), _K(64, 1, False, dense_rows=16)],
-        "kda": [_K(64, 1), _K(64, 1, group=4), _K(64, 1, dense_rows=16)],
+        "mamba2": [_K(64, 1, False, maxnreg=96), _K(64, 1, False, group=4, dense_rows=16)],
+        "gdn": [_K(64, 1, False, dense_rows=16), _K(64, 1, False, group=4, dense_rows=16),
+                _K(64, 1, False, dense_rows=32)],
+        "kda": [_K(64, 1, group=4), _K(64, 1, group=4, dense_rows=16)],
     },
     "sketch": {
-        f: [
-            _K(64, 1, chunked, dense_rows=16),
-            _K(64, 1, chunked, maxnreg=72, dense_rows=16),
-            _K(64, 1, chunked, maxnreg=64, dense_rows=16),
-            _K(64, 1, chunked, maxnreg=64, group=4, dense_rows=16),
-            _K(32, 1, chunked, maxnreg=64, dense_rows=16),
-        ]
+        f: [_K(64, 1, chunked, maxnreg=64, group=g, dense_rows=16) for g in (4, 2, 8, 0)]
         for f, chunked in (("mamba2", False), ("gdn", False), ("kda", True))
     },
     "flush": {
-        "mamba2": [_K(64, 4), _K(32, 4), _K(16, 1, False, 2), _K(16, 1, False, 2, 96)],
-        "gdn": [_K(64, 4), _K(16, 1, False), _K(16, 1, False, 4), _K(16, 1, False, 2)],
-        "kda": [_K(16, 1, False), _K(16, 1, False, 4), _K(16, 1, False, 2)],
+        "mamba2": [_K(64, 4), _K(32, 4), _K(16, 1, False, 2), _K(16, 1, False, 2, 96), _K(8, 1, False, 2)],
+        "gdn": [_K(64, 4), _K(16, 1, False, 4), _K(16, 1, False, 2), _K(8, 1, False, 2), _K(8, 1, False, 4),
+                _K(16, 2, False, 2)],
+        "kda": [_K(16, 1, False), _K(16, 1, False, 4), _K(16, 1, False, 2), _K(8, 1, False, 4),
+                _K(8, 1, False, 2)],
     },
 }
 

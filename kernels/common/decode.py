@@ -97,11 +97,11 @@ DEFAULT_CONFIGS: dict[tuple[str, str], KernelConfig] = {
     ("standard", "gdn"): KernelConfig(64, 4),
     ("standard", "kda"): KernelConfig(64, 4),
     ("replay", "mamba2"): KernelConfig(64, 1, chunked=False, maxnreg=96),
-    ("replay", "gdn"): KernelConfig(64, 1, chunked=False),
-    ("replay", "kda"): KernelConfig(64, 1),
-    ("sketch", "mamba2"): KernelConfig(64, 1, chunked=False, dense_rows=16),
-    ("sketch", "gdn"): KernelConfig(64, 1, chunked=False, dense_rows=16),
-    ("sketch", "kda"): KernelConfig(64, 1, dense_rows=16),
+    ("replay", "gdn"): KernelConfig(64, 1, chunked=False, dense_rows=16),
+    ("replay", "kda"): KernelConfig(64, 1, group=4),
+    ("sketch", "mamba2"): KernelConfig(64, 1, chunked=False, maxnreg=64, group=4, dense_rows=16),
+    ("sketch", "gdn"): KernelConfig(64, 1, chunked=False, maxnreg=64, group=4, dense_rows=16),
+    ("sketch", "kda"): KernelConfig(64, 1, maxnreg=64, group=4, dense_rows=16),
     ("flush_replay", "mamba2"): KernelConfig(32, 4),
     ("flush_replay", "gdn"): KernelConfig(16, 1, chunked=False, vec=2),
     ("flush_replay", "kda"): KernelConfig(16, 1, chunked=False, vec=4),
@@ -849,7 +849,7 @@ def flush(
     else:
         b = slots.shape[0]
     cfg = config or default_config("flush_sketch" if sketch else "flush_replay", family)
-    bv = max(_block_v(cfg, vd), CHUNK_MIN)  # tl.dot needs 16 columns
+    bv = max(_block_v(cfg, vd), CHUNK_MIN if cfg.chunked else 1)  # tl.dot needs 16 columns
     sk = pool.sketch if sketch else pool.state
     # a low-precision sketch is rounded to ≤ 8 mantissa bits anyway: one tf32 pass is enough
     sketch_prec = "tf32x3" if sk.dtype == torch.float32 else "tf32"

@@ -140,6 +140,15 @@ def test_dense_read_by_rows_cpu(family, op, rows):
     run_case(family, op, CPU_SHAPES[family][1], "fp32", "cpu", seed=9, config=config)
 
 
+@pytest.mark.parametrize("op", ["flush", "flush_sketch"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_narrow_sweep_flush_cpu(family, op):
+    """The token-by-token flush on tiles of 8 value columns (fewer registers; the chunked form
+    needs 16 for its dots)."""
+    config = decode.KernelConfig(8, 1, chunked=False, vec=2)
+    run_case(family, op, CPU_SHAPES[family][1], "fp32", "cpu", seed=10, config=config)
+
+
 @pytest.mark.parametrize("vec", [0, 2])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_sweep_flush_tiny_and_zero_decays_cpu(family, vec):
