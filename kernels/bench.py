@@ -74,15 +74,18 @@ TUNE_CANDIDATES: dict[str, dict[str, list[KernelConfig]]] = {
         "kda": [_K(64, 1, group=4), _K(64, 1, group=4, dense_rows=16)],
     },
     "sketch": {
-        f: [_K(64, 1, chunked, maxnreg=64, group=g, dense_rows=16) for g in (4, 2, 8, 0)]
+        f: [_K(64, 1, chunked, maxnreg=64, group=g, dense_rows=16) for g in (4, 2)]
+        + ([] if f == "mamba2" else [  # one program per head (V = 128): the sweep done once
+            _K(128, 1, chunked, maxnreg=80, group=2, dense_rows=16),
+            _K(128, 1, chunked, maxnreg=64, group=2, dense_rows=16),
+            _K(128, 2, chunked, group=2, dense_rows=16),
+        ])
         for f, chunked in (("mamba2", False), ("gdn", False), ("kda", True))
     },
     "flush": {
-        "mamba2": [_K(64, 4), _K(32, 4), _K(16, 1, False, 2), _K(16, 1, False, 2, 96), _K(8, 1, False, 2)],
-        "gdn": [_K(64, 4), _K(16, 1, False, 4), _K(16, 1, False, 2), _K(8, 1, False, 2), _K(8, 1, False, 4),
-                _K(16, 2, False, 2)],
-        "kda": [_K(16, 1, False), _K(16, 1, False, 4), _K(16, 1, False, 2), _K(8, 1, False, 4),
-                _K(8, 1, False, 2)],
+        "mamba2": [_K(64, 4), _K(32, 4), _K(16, 1, False, 2), _K(16, 1, False, 2, 96)],
+        "gdn": [_K(64, 4), _K(16, 1, False, 4), _K(16, 1, False, 2)],
+        "kda": [_K(16, 1, False), _K(16, 1, False, 4), _K(16, 1, False, 2)],
     },
 }
 
