@@ -69,18 +69,18 @@ TUNE_CANDIDATES: dict[str, dict[str, list[KernelConfig]]] = {
     "standard": {f: [_K(64, 4)] for f in ("mamba2", "gdn", "kda")},
     "replay": {
         "mamba2": [_K(64, 1, False, maxnreg=96), _K(64, 1, False, group=4, dense_rows=16)],
-        "gdn": [_K(64, 1, False, dense_rows=16), _K(64, 1, False, group=4, dense_rows=16),
-                _K(64, 1, False, dense_rows=32)],
-        "kda": [_K(64, 1, group=4), _K(64, 1, group=4, dense_rows=16)],
+        "gdn": [_K(64, 1, False, group=4, dense_rows=16), _K(128, 1, False, group=4, dense_rows=16)],
+        "kda": [_K(64, 1, group=4, dense_rows=16), _K(128, 1, group=4, dense_rows=16)],
     },
     "sketch": {
-        f: [_K(64, 1, chunked, maxnreg=64, group=g, dense_rows=16) for g in (4, 2)]
-        + ([] if f == "mamba2" else [  # one program per head (V = 128): the sweep done once
-            _K(128, 1, chunked, maxnreg=80, group=2, dense_rows=16),
-            _K(128, 1, chunked, maxnreg=64, group=2, dense_rows=16),
-            _K(128, 2, chunked, group=2, dense_rows=16),
-        ])
-        for f, chunked in (("mamba2", False), ("gdn", False), ("kda", True))
+        "mamba2": [_K(64, 1, False, maxnreg=64, group=g, dense_rows=16) for g in (4, 2)],
+        **{
+            # one program per head (V = 128): the sweep is done once, not once per half
+            f: [_K(64, 1, chunked, maxnreg=64, group=2, dense_rows=16)]
+            + [_K(128, 1, chunked, maxnreg=cap, group=g, dense_rows=16)
+               for cap, g in ((80, 2), (96, 2), (72, 2), (80, 4))]
+            for f, chunked in (("gdn", False), ("kda", True))
+        },
     },
     "flush": {
         "mamba2": [_K(64, 4), _K(32, 4), _K(16, 1, False, 2), _K(16, 1, False, 2, 96)],
