@@ -73,22 +73,20 @@ TUNE_CANDIDATES: dict[str, dict[str, list[KernelConfig]]] = {
         "kda": [_K(64, 1, group=4, dense_rows=16), _K(128, 1, group=4, dense_rows=16)],
     },
     "sketch": {
-        "mamba2": [_K(64, 1, False, maxnreg=64, group=g, dense_rows=16) for g in (4, 2)]
-        + [_K(64, 1, True, maxnreg=96, dense_rows=16)],
+        "mamba2": [_K(64, 1, False, maxnreg=64, group=4, dense_rows=16),
+                   _K(64, 1, False, maxnreg=64, group=4, dense_rows=16, early_map=False),
+                   _K(64, 1, False, maxnreg=56, group=4, dense_rows=16, early_map=False)],
         **{
             # one program per head (V = 128): the sweep is done once, not once per half
-            f: [_K(64, 1, chunked, maxnreg=64, group=2, dense_rows=16)]
-            + [_K(128, 1, chunked, maxnreg=cap, group=g, dense_rows=16)
-               for cap, g in ((80, 2), (96, 2), (88, 2))]
+            f: [_K(128, 1, chunked, maxnreg=cap, group=2, dense_rows=16) for cap in (80, 96)]
+            + [_K(128, 1, chunked, maxnreg=cap, group=2, dense_rows=16, early_map=False) for cap in (64, 72)]
             for f, chunked in (("gdn", False), ("kda", True))
         },
     },
     "flush": {
-        "mamba2": [_K(64, 4), _K(32, 4), _K(16, 1, False, 2), _K(16, 1, False, 2, 96),
-                   _K(32, 2, False, 2, 96)],
-        "gdn": [_K(64, 4), _K(16, 1, False, 4), _K(16, 1, False, 2), _K(32, 2, False, 2, 128)],
-        "kda": [_K(16, 1, False), _K(16, 1, False, 4), _K(16, 1, False, 2), _K(32, 2, False, 4),
-                _K(64, 4, False, 4)],
+        "mamba2": [_K(64, 4), _K(32, 4), _K(16, 1, False, 2, 96), _K(32, 2, False, 2, 96)],
+        "gdn": [_K(64, 4), _K(16, 1, False, 4), _K(16, 1, False, 2)],
+        "kda": [_K(16, 1, False, 4), _K(16, 1, False, 2), _K(32, 2, False, 4)],
     },
 }
 

@@ -4,7 +4,7 @@ Run from the repository root with the package installed (``pip install -e .``)::
 
     python kernels/resources.py                 # every kernel, default launch shapes, sm_90
     python kernels/resources.py read gdn 64 1 sweep   # one build: kernel family BV warps [sweep] [replay]
-                                                      # [vec=N] [cap=N] [group=N] [rows=N]
+                                                      # [vec=N] [cap=N] [group=N] [rows=N] [late_map]
 
 Prints one line per build: kernel, family, mode, launch shape, registers per thread, stack
 bytes (spills), and the occupancy those registers allow (warps per SM out of 64, from the 64 K-register
@@ -56,7 +56,7 @@ def build(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True):
     if kernel == "read":
         consts = dict(T=1, C=16, BC=16, M=32, SKETCH=sketch, K_BF16=True, EMULATE=False,
                       CHUNKED=cfg.chunked, GROUP=cfg.group,
-                      DENSE_ROWS=min(cfg.dense_rows, s.key_dim), **common)
+                      DENSE_ROWS=min(cfg.dense_rows, s.key_dim), EARLY_MAP=cfg.early_map, **common)
         return _compile(D._read_kernel, consts, cfg)
     consts = dict(C=16, BC=16, LOG2_BC=4, HAS_X=True, HAS_READ=True, ROWS=sketch, SKETCH_OUT=sketch,
                   K_BF16=True, SKETCH_PREC="tf32", EMULATE=False, CHUNKED=cfg.chunked, VEC=cfg.vec,
@@ -86,6 +86,7 @@ def report(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True) -
     extra = (f" vec={cfg.vec}" if cfg.vec else "") + (f" cap={cfg.maxnreg}" if cfg.maxnreg else "")
     extra += f" group={cfg.group}" if cfg.group else ""
     extra += f" rows={cfg.dense_rows}" if cfg.dense_rows else ""
+    extra += "" if cfg.early_map else " late_map"
     return (f"{kernel:8s} {family:6s} {mode:6s} BV={cfg.block_v:<3d} warps={cfg.num_warps} {form:7s}"
             f"{extra:14s} regs={regs:3d} stack={spills:5d}B  occupancy≤{warps}/64 warps")
 
@@ -96,7 +97,7 @@ def main(argv: list[str]) -> None:
         opts = dict(r.split("=") for r in rest if "=" in r)
         cfg = D.KernelConfig(int(bv), int(nw), chunked="sweep" not in rest, vec=int(opts.get("vec", 0)),
                              maxnreg=int(opts.get("cap", 0)), group=int(opts.get("group", 0)),
-                             dense_rows=int(opts.get("rows", 0)))
+                             dense_rows=int(opts.get("rows", 0)), early_map="late_map" not in rest)
         print(report(kernel, family, cfg, sketch="replay" not in rest), flush=True)
         return
     for family in ("gdn", "kda", "mamba2"):

@@ -77,7 +77,9 @@ class KernelConfig:
     tokens, ``group`` per iteration of a rolled loop: less work on a short buffer, one load wait
     per group instead of one per read. ``dense_rows`` (reads; 0 = all K at once) reads a dense
     head's read copy that many rows at a time: the [K, BV] tile otherwise sets the register count
-    of the whole read kernel, the sketch heads' branch included."""
+    of the whole read kernel, the sketch heads' branch included. ``early_map`` (sketch reads)
+    loads a head's first 8 coefficient-map rows before the buffer sweep, so that their latency
+    overlaps it; False loads them after it, with [8, K] fewer values live during the sweep."""
 
     block_v: int
     num_warps: int
@@ -86,6 +88,7 @@ class KernelConfig:
     maxnreg: int = 0
     group: int = 0
     dense_rows: int = 0
+    early_map: bool = True
 
 
 # Defaults by (kernel, family); ``block_v`` is clipped to V: the fastest launch shapes on an H200 at
@@ -293,14 +296,21 @@ def _dense_read(v, rd_h, o_k, o_v, V: tl.constexpr, K: tl.constexpr, ROWS: tl.co
 def _checkpoint_read(
     v, rd_h, sk_h, m, pm0, st0, maps, i_h, o_k, o_v,
     K: tl.constexpr, V: tl.constexpr, M: tl.constexpr, SKETCH: tl.constexpr, ROWS: tl.constexpr,
+    EARLY_MAP: tl.constexpr,
 ):
     """``S_cᵀ u`` from the read copy, or ``(R_{:m} S_c)ᵀ (P u)`` for a head of rank m > 0.
 
     ``pm0`` [8, K] and ``st0`` [8, BV] are the first 8 map and sketch rows, loaded by the caller
-    before the buffer work so that their latency overlaps it; rows past 8 follow in chunks of 8
-    (registers do not grow with the largest rank)."""
+    before the buffer work so that their latency overlaps it (``pm0`` only if ``EARLY_MAP``: else
+    it is loaded here); rows past 8 follow in chunks of 8 (registers do not grow with the largest
+    rank)."""
     if SKETCH:
         if m > 0:
+            if not EARLY_MAP:
+                o_m = tl.arange(0, 8)
+                pm0 = tl.load(
+                    maps + (i_h * M + o_m[:, None]) * K + o_k[None, :], mask=o_m[:, None] < M, other=0.0
+                )
             coeff = tl.sum(pm0 * v[None, :], axis=1)
             o = tl.sum(st0.to(tl.float32) * coeff[:, None], axis=0)
             o_r = tl.arange(0, 8)
@@ -410,6 +420,7 @@ def _read_kernel(
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, M: tl.constexpr,
     FAMILY: tl.constexpr, SKETCH: tl.constexpr, HAS_SKIP: tl.constexpr, K_BF16: tl.constexpr,
     EMULATE: tl.constexpr, CHUNKED: tl.constexpr, GROUP: tl.constexpr, DENSE_ROWS: tl.constexpr,
+    EARLY_MAP: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -434,7 +445,7 @@ def _read_kernel(
         K, V, FAMILY,
     )
     q0 = tl.load(q + (x0 * G + i_g) * K + o_k).to(tl.float32)
-    if SKETCH:
+    if SKETCH and EARLY_MAP:
         pm0 = tl.load(maps + (i_h * M + o_r8[:, None]) * K + o_k[None, :], mask=o_r8[:, None] < M, other=0.0)
     else:
         pm0 = tl.zeros([8, K], dtype=tl.float32)
@@ -539,7 +550,7 @@ def _read_kernel(
             acc += tl.sum((g * z)[:, None] * wb, axis=0)
             v = v * total
         o = acc + _checkpoint_read(
-            v, rd_h, sk_h, m, pm0, st0, maps, i_h, o_k, o_v, K, V, M, SKETCH, DENSE_ROWS,
+            v, rd_h, sk_h, m, pm0, st0, maps, i_h, o_k, o_v, K, V, M, SKETCH, DENSE_ROWS, EARLY_MAP,
         )
         if HAS_SKIP:
             o += tl.load(skip + (x_t * H + i_h) * V + o_v).to(tl.float32)
@@ -786,7 +797,7 @@ def spec_verify(
         T=t, H=h, G=g, K=kd, V=vd, BV=bv, C=pool.capacity, BC=_buffer_block(pool.capacity),
         M=m_rows, FAMILY=FAMILY_ID[family], SKETCH=sketch,
         HAS_SKIP=x.skip is not None, K_BF16=_keys_bf16(pool), EMULATE=_interpreting(), CHUNKED=cfg.chunked,
-        GROUP=cfg.group, DENSE_ROWS=min(cfg.dense_rows, kd), **_launch_options(cfg),
+        GROUP=cfg.group, DENSE_ROWS=min(cfg.dense_rows, kd), EARLY_MAP=cfg.early_map, **_launch_options(cfg),
     )
     return out
 

@@ -130,6 +130,16 @@ def test_grouped_read_sweep_cpu(family, op, group):
     run_case(family, op, CPU_SHAPES[family][1], "fp32", "cpu", seed=6 + group, config=config)
 
 
+@pytest.mark.parametrize("early_map", [True, False])
+@pytest.mark.parametrize("op", ["sketch", "spec_sketch"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_map_rows_early_or_late_cpu(family, op, early_map):
+    """The first 8 coefficient-map rows loaded before the buffer sweep or after it
+    (``KernelConfig.early_map``); ranks up to 12 need a second chunk of rows either way."""
+    config = decode.KernelConfig(16, 1, chunked=False, early_map=early_map, dense_rows=16)
+    run_case(family, op, CPU_SHAPES[family][0], "fp32", "cpu", seed=12, config=config)
+
+
 @pytest.mark.parametrize("rows", [0, 8])
 @pytest.mark.parametrize("op", ["replay", "sketch", "spec_sketch"])
 @pytest.mark.parametrize("family", FAMILIES)
