@@ -519,8 +519,8 @@ def _read_kernel(
                 kv, v = _backward(v, kk, dd, bb, FAMILY)
                 acc += kv * ww
         if (FAMILY == 2 or not CHUNKED) and GROUP == 0:
-            # the buffered tokens C-1..0 unrolled, dead ones (≥ p) as identities: a rolled loop over
-            # the live ones only, each loaded during the one before, was slower on the H200
+            # the buffered tokens C-1..0 unrolled, dead ones (≥ p) as identities: every load issues
+            # up front (the faster form at ~160 registers; at 64-80 the groups below win)
             for i in tl.static_range(C):
                 j = C - 1 - i
                 kk, ww, dd, bb = _load_token(
