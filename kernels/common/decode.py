@@ -90,6 +90,15 @@ class KernelConfig:
     dense_rows: int = 0
     early_map: bool = True
 
+    def __post_init__(self) -> None:
+        for name, zero_ok in (("block_v", False), ("num_warps", False), ("dense_rows", True)):
+            n = getattr(self, name)
+            if n < 0 or n & (n - 1) or (n == 0 and not zero_ok):
+                allowed = "a power of two" + (" or 0" if zero_ok else "")
+                raise ValueError(f"KernelConfig.{name} must be {allowed}, got {n}")
+        if min(self.vec, self.maxnreg, self.group) < 0:
+            raise ValueError("KernelConfig.vec, maxnreg and group must be ≥ 0")
+
 
 # Defaults by (kernel, family); ``block_v`` is clipped to V: the fastest launch shapes on an H200 at
 # batch 256 among ``bench.TUNE_CANDIDATES`` (BENCHMARKS.md, "Decode kernels"), checked there by the

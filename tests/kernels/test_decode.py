@@ -204,6 +204,17 @@ def test_partial_read_rows_are_refused():
         SketchTables("gdn", tables.ranks, tables.maps, tables.frames, torch.tensor([8, 0], dtype=torch.int32))
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [(dict(dense_rows=12), "dense_rows"), (dict(block_v=48), "block_v"), (dict(num_warps=0), "num_warps"),
+     (dict(group=-1), "group")],
+)
+def test_bad_launch_shapes_are_refused(kwargs, field):
+    args = dict(block_v=64, num_warps=1) | kwargs
+    with pytest.raises(ValueError, match=field):
+        decode.KernelConfig(**args)
+
+
 def test_bad_inputs_raise():
     family, (h, g, kd, vd) = "kda", CPU_SHAPES["kda"][0]
     pool = random_pool(family, 2, h, g, kd, vd)
