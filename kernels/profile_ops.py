@@ -8,14 +8,15 @@ Run from the repository root on a CUDA machine, under Nsight Compute for example
 ``OP`` is one of ``standard``, ``replay_step``, ``sketch_step``, ``replay_flush``,
 ``sketch_flush``. The window kernels run with ``pos`` = 8 buffered tokens (a mid-window step);
 the flushes with 15. Each op is launched three times (the first compiles), with the default
-launch shapes unless ``--block-v``/``--warps``/``--form``/``--vec``/``--maxnreg`` say
-otherwise.
+launch shape except for the fields the options give (``--block-v``, ``--warps``, ``--form``,
+``--vec``, ``--maxnreg``, ``--group``, ``--dense-rows``, ``--map``).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -33,6 +34,9 @@ def main() -> None:
     ap.add_argument("--form", choices=("chunked", "sweep"), help="closed (chunked) or token-by-token form")
     ap.add_argument("--vec", type=int, help="value columns per thread of a token-by-token flush tile")
     ap.add_argument("--maxnreg", type=int, help="register cap per thread")
+    ap.add_argument("--group", type=int, help="reads: live tokens per sweep iteration (0: all unrolled)")
+    ap.add_argument("--dense-rows", type=int, help="reads: read-copy rows per dense-read iteration (0: all)")
+    ap.add_argument("--map", choices=["early", "late"], help="sketch reads: map rows before/after the sweep")
     args = ap.parse_args()
     bootstrap()
     import torch
@@ -53,10 +57,11 @@ def main() -> None:
     kind = {"standard": "standard", "replay_step": "replay", "sketch_step": "sketch",
             "replay_flush": "flush_replay", "sketch_flush": "flush_sketch"}[args.op]
     base = decode.default_config(kind, family)
-    chunked = base.chunked if args.form is None else args.form == "chunked"
-    cfg = decode.KernelConfig(args.block_v or base.block_v, args.warps or base.num_warps, chunked=chunked,
-                              vec=base.vec if args.vec is None else args.vec,
-                              maxnreg=base.maxnreg if args.maxnreg is None else args.maxnreg)
+    given = dict(block_v=args.block_v, num_warps=args.warps, vec=args.vec, maxnreg=args.maxnreg,
+                 group=args.group, dense_rows=args.dense_rows,
+                 chunked=None if args.form is None else args.form == "chunked",
+                 early_map=None if args.map is None else args.map == "early")
+    cfg = replace(base, **{k: v for k, v in given.items() if v is not None})  # the default, as overridden
     pos = torch.full((b,), 15 if "flush" in args.op else 8, dtype=torch.int32, device="cuda")
     for _ in range(3):
         if args.op == "standard":
