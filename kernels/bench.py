@@ -85,12 +85,9 @@ TUNE_CANDIDATES: dict[str, dict[str, list[KernelConfig]]] = {
         },
     },
     "flush": {
-        "mamba2": [_K(64, 4), _K(32, 4), _K(16, 1, False, 2, 96), _K(32, 2, False, 2, 96),
-                   _K(16, 1, False, 2, 96, group=2), _K(16, 1, False, 2, 96, group=4)],
-        "gdn": [_K(64, 4), _K(16, 1, False, 4), _K(16, 1, False, 2), _K(16, 1, False, 2, group=2),
-                _K(16, 1, False, 2, group=4)],
-        "kda": [_K(16, 1, False, 4), _K(16, 1, False, 2), _K(32, 2, False, 4), _K(16, 1, False, 4, group=2),
-                _K(16, 1, False, 4, group=4), _K(32, 2, False, 4, group=4)],
+        "mamba2": [_K(64, 4), _K(32, 4), _K(16, 1, False, 2, 96), _K(32, 2, False, 2, 96)],
+        "gdn": [_K(64, 4), _K(16, 1, False, 4), _K(16, 1, False, 2)],
+        "kda": [_K(16, 1, False, 4), _K(16, 1, False, 2), _K(32, 2, False, 4)],
     },
 }
 

@@ -60,7 +60,7 @@ def build(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True):
         return _compile(D._read_kernel, consts, cfg)
     consts = dict(C=16, BC=16, LOG2_BC=4, HAS_X=True, HAS_READ=True, ROWS=sketch, SKETCH_OUT=sketch,
                   K_BF16=True, SKETCH_PREC="tf32", EMULATE=False, CHUNKED=cfg.chunked, VEC=cfg.vec,
-                  GROUP=cfg.group, **common)
+                  **common)
     return _compile(D._flush_kernel, consts, cfg)
 
 

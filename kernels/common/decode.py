@@ -68,23 +68,18 @@ FAMILY_ID = {"mamba2": 0, "gdn": 1, "kda": 2}
 class KernelConfig:
     """Launch shape: value columns per program and warps per program; ``chunked`` picks the
     closed forms over the buffer (read: Gram form for Mamba-2/GDN; flush: tensor-core chunk) over
-    the token-by-token sweeps (KDA's read is always a sweep).
-
-    - ``vec`` (token-by-token flush only; 0 = the compiler's choice) caps the value columns each
-      thread holds of the [K, BV] tile: fewer columns per thread put more of each k·S reduction
-      inside the thread (fewer shuffles) at the cost of more key rows per thread.
-    - ``maxnreg`` (0 = the compiler's choice) caps the registers per thread, for more resident
-      warps; what does not fit spills to local memory.
-    - ``group``: token-by-token reads (0 = every buffer slot, unrolled) sweep only the live
-      buffered tokens, ``group`` per iteration of a rolled loop: less work on a short buffer, one
-      load wait per group instead of one per read. Token-by-token sketch flushes write ``group``
-      sketch rows per iteration (0 or 1: one row, the next one's load in flight).
-    - ``dense_rows`` (reads; 0 = all K at once) reads a dense head's read copy that many rows at a
-      time: the [K, BV] tile otherwise sets the register count of the whole read kernel, the
-      sketch heads' branch included.
-    - ``early_map`` (sketch reads) loads a head's first 8 coefficient-map rows before the buffer
-      sweep, so that their latency overlaps it; False loads them after it, with [8, K] fewer
-      values live during the sweep."""
+    the token-by-token sweeps (KDA's read is always a sweep). ``vec`` (token-by-token flush only;
+    0 = the compiler's choice) caps the value columns each thread holds of the [K, BV] tile: fewer
+    columns per thread put more of each k·S reduction inside the thread (fewer shuffles) at the
+    cost of more key rows per thread. ``maxnreg`` (0 = the compiler's choice) caps the registers
+    per thread, for more resident warps; what does not fit spills to local memory. ``group``
+    (token-by-token reads only; 0 = every buffer slot, unrolled) sweeps only the live buffered
+    tokens, ``group`` per iteration of a rolled loop: less work on a short buffer, one load wait
+    per group instead of one per read. ``dense_rows`` (reads; 0 = all K at once) reads a dense
+    head's read copy that many rows at a time: the [K, BV] tile otherwise sets the register count
+    of the whole read kernel, the sketch heads' branch included. ``early_map`` (sketch reads)
+    loads a head's first 8 coefficient-map rows before the buffer sweep, so that their latency
+    overlaps it; False loads them after it, with [8, K] fewer values live during the sweep."""
 
     block_v: int
     num_warps: int
@@ -584,7 +579,7 @@ def _flush_kernel(
     C: tl.constexpr, BC: tl.constexpr, LOG2_BC: tl.constexpr, FAMILY: tl.constexpr,
     HAS_X: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_READ: tl.constexpr, ROWS: tl.constexpr,
     SKETCH_OUT: tl.constexpr, K_BF16: tl.constexpr, SKETCH_PREC: tl.constexpr, EMULATE: tl.constexpr,
-    CHUNKED: tl.constexpr, VEC: tl.constexpr, GROUP: tl.constexpr,
+    CHUNKED: tl.constexpr, VEC: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -668,21 +663,13 @@ def _flush_kernel(
             sk_h = sk + (s * H + i_h) * sk_head_stride
             fr_g = frames + i_g * K * K  # R of this head's group, [K, K]
             # row by row on the FMA units: the sweep's tile layout is not a tensor-core operand's,
-            # and converting it costs more than the m reductions over K.
-            if GROUP <= 1:  # row r + 1 of R is loaded while row r is applied
-                rrow = tl.load(fr_g + o_k, mask=o_k < tl.where(m > 0, K, 0), other=0.0)
-                for r in range(0, m):
-                    rnext = tl.load(fr_g + (r + 1) * K + o_k, mask=o_k < tl.where(r + 1 < m, K, 0), other=0.0)
-                    tl.store(sk_h + r * V + o_v, tl.sum(S * rrow[:, None], axis=0).to(sk.dtype.element_ty))
-                    rrow = rnext
-            else:  # GROUP rows per iteration, their loads and reductions independent of each other
-                for r0 in range(0, m, GROUP):
-                    for i in tl.static_range(GROUP):
-                        live_r = r0 + i < m
-                        mk = o_k < tl.where(live_r, K, 0)
-                        rrow = tl.load(fr_g + (r0 + i) * K + o_k, mask=mk, other=0.0)
-                        row = tl.sum(S * rrow[:, None], axis=0).to(sk.dtype.element_ty)
-                        tl.store(sk_h + (r0 + i) * V + o_v, row, mask=o_v < tl.where(live_r, V, 0))
+            # and converting it costs more than the m reductions over K. Row r + 1 of R is loaded
+            # while row r is applied.
+            rrow = tl.load(fr_g + o_k, mask=o_k < tl.where(m > 0, K, 0), other=0.0)
+            for r in range(0, m):
+                rnext = tl.load(fr_g + (r + 1) * K + o_k, mask=o_k < tl.where(r + 1 < m, K, 0), other=0.0)
+                tl.store(sk_h + r * V + o_v, tl.sum(S * rrow[:, None], axis=0).to(sk.dtype.element_ty))
+                rrow = rnext
 
 
 # ----------------------------------------------------------------------------------------------
@@ -904,7 +891,7 @@ def flush(
         H=heads, G=g, K=kd, V=vd, BV=bv, C=pool.capacity, BC=bc, LOG2_BC=bc.bit_length() - 1,
         FAMILY=FAMILY_ID[family], HAS_X=x is not None, HAS_SKIP=x is not None and x.skip is not None,
         HAS_READ=pool.read is not None, ROWS=sketch, SKETCH_OUT=sketch, K_BF16=_keys_bf16(pool),
-        SKETCH_PREC=sketch_prec, EMULATE=_interpreting(), CHUNKED=cfg.chunked, VEC=cfg.vec, GROUP=cfg.group,
+        SKETCH_PREC=sketch_prec, EMULATE=_interpreting(), CHUNKED=cfg.chunked, VEC=cfg.vec,
         **_launch_options(cfg),
     )
     return out

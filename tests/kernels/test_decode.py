@@ -150,15 +150,6 @@ def test_dense_read_by_rows_cpu(family, op, rows):
     run_case(family, op, CPU_SHAPES[family][1], "fp32", "cpu", seed=9, config=config)
 
 
-@pytest.mark.parametrize("group", [2, 8])
-@pytest.mark.parametrize("family", FAMILIES)
-def test_sketch_rows_in_groups_cpu(family, group):
-    """The token-by-token sketch flush writing ``group`` sketch rows per iteration: ranks 4..12,
-    so the last group is cut short (rows past the rank must not be written)."""
-    config = decode.KernelConfig(16, 1, chunked=False, vec=2, group=group)
-    run_case(family, "flush_sketch", CPU_SHAPES[family][0], "fp32", "cpu", seed=13, config=config)
-
-
 @pytest.mark.parametrize("op", ["flush", "flush_sketch"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_narrow_sweep_flush_cpu(family, op):
