@@ -68,18 +68,22 @@ FAMILY_ID = {"mamba2": 0, "gdn": 1, "kda": 2}
 class KernelConfig:
     """Launch shape: value columns per program and warps per program; ``chunked`` picks the
     closed forms over the buffer (read: Gram form for Mamba-2/GDN; flush: tensor-core chunk) over
-    the token-by-token sweeps (KDA's read is always a sweep). ``vec`` (token-by-token flush only;
-    0 = the compiler's choice) caps the value columns each thread holds of the [K, BV] tile: fewer
-    columns per thread put more of each k·S reduction inside the thread (fewer shuffles) at the
-    cost of more key rows per thread. ``maxnreg`` (0 = the compiler's choice) caps the registers
-    per thread, for more resident warps; what does not fit spills to local memory. ``group``
-    (token-by-token reads only; 0 = every buffer slot, unrolled) sweeps only the live buffered
-    tokens, ``group`` per iteration of a rolled loop: less work on a short buffer, one load wait
-    per group instead of one per read. ``dense_rows`` (reads; 0 = all K at once) reads a dense
-    head's read copy that many rows at a time: the [K, BV] tile otherwise sets the register count
-    of the whole read kernel, the sketch heads' branch included. ``early_map`` (sketch reads)
-    loads a head's first 8 coefficient-map rows before the buffer sweep, so that their latency
-    overlaps it; False loads them after it, with [8, K] fewer values live during the sweep."""
+    the token-by-token sweeps (KDA's read is always a sweep).
+
+    - ``vec`` (token-by-token flush only; 0 = the compiler's choice) caps the value columns each
+      thread holds of the [K, BV] tile: fewer columns per thread put more of each k·S reduction
+      inside the thread (fewer shuffles) at the cost of more key rows per thread.
+    - ``maxnreg`` (0 = the compiler's choice) caps the registers per thread, for more resident
+      warps; what does not fit spills to local memory.
+    - ``group`` (token-by-token reads; 0 = every buffer slot, unrolled) sweeps only the live
+      buffered tokens, ``group`` per iteration of a rolled loop: less work on a short buffer, one
+      load wait per group instead of one per read.
+    - ``dense_rows`` (reads; 0 = all K at once) reads a dense head's read copy that many rows at a
+      time: the [K, BV] tile otherwise sets the register count of the whole read kernel, the
+      sketch heads' branch included.
+    - ``early_map`` (sketch reads) loads a head's first 8 coefficient-map rows before the buffer
+      sweep, so that their latency overlaps it; False loads them after it, with [8, K] fewer
+      values live during the sweep."""
 
     block_v: int
     num_warps: int
