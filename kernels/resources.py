@@ -55,8 +55,7 @@ def build(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True):
         return _compile(D._standard_kernel, dict(T=1, **common), cfg)
     if kernel == "read":
         consts = dict(T=1, C=16, BC=16, M=32, SKETCH=sketch, K_BF16=True, EMULATE=False,
-                      CHUNKED=cfg.chunked, GROUP=cfg.group,
-                      DENSE_ROWS=min(cfg.dense_rows, s.key_dim), EARLY_MAP=cfg.early_map, **common)
+                      **D._read_options(cfg, s.key_dim), **common)
         return _compile(D._read_kernel, consts, cfg)
     consts = dict(C=16, BC=16, LOG2_BC=4, HAS_X=True, HAS_READ=True, ROWS=sketch, SKETCH_OUT=sketch,
                   K_BF16=True, SKETCH_PREC="tf32", EMULATE=False, CHUNKED=cfg.chunked, VEC=cfg.vec,

@@ -714,6 +714,13 @@ def _launch_options(cfg: KernelConfig) -> dict:
     return {"num_warps": cfg.num_warps, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})}
 
 
+def _read_options(cfg: KernelConfig, kd: int) -> dict:
+    """The read kernel's constexprs that come from its launch shape."""
+    return dict(
+        CHUNKED=cfg.chunked, GROUP=cfg.group, DENSE_ROWS=min(cfg.dense_rows, kd), EARLY_MAP=cfg.early_map
+    )
+
+
 def _block_v(cfg: KernelConfig, vd: int) -> int:
     return max(1, min(cfg.block_v, vd))
 
@@ -813,8 +820,8 @@ def spec_verify(
         sk.shape[2] * sk.shape[3],
         T=t, H=h, G=g, K=kd, V=vd, BV=bv, C=pool.capacity, BC=_buffer_block(pool.capacity),
         M=m_rows, FAMILY=FAMILY_ID[family], SKETCH=sketch,
-        HAS_SKIP=x.skip is not None, K_BF16=_keys_bf16(pool), EMULATE=_interpreting(), CHUNKED=cfg.chunked,
-        GROUP=cfg.group, DENSE_ROWS=min(cfg.dense_rows, kd), EARLY_MAP=cfg.early_map, **_launch_options(cfg),
+        HAS_SKIP=x.skip is not None, K_BF16=_keys_bf16(pool), EMULATE=_interpreting(),
+        **_read_options(cfg, kd), **_launch_options(cfg),
     )
     return out
 

@@ -234,7 +234,7 @@ def test_kernel_gpu(family, op, dtype):
 
 
 
-def _candidates() -> list[tuple[str, str, tuple]]:
+def _candidates() -> list[tuple[str, str, decode.KernelConfig]]:
     from sketchcal.kernels.bench import TUNE_CANDIDATES
 
     cases = []
