@@ -219,6 +219,20 @@ def _backward(v, kk, dd, bb, FAMILY: tl.constexpr):
 
 
 @triton.jit
+def _sweep_buffered(
+    v, acc, buf_k, buf_w, buf_decay, buf_beta, hb, gb, j, live, o_k, o_v,
+    K: tl.constexpr, V: tl.constexpr, FAMILY: tl.constexpr,
+):
+    """One buffered token ``j`` of a read's backward sweep (``live`` False: the identity): returns
+    the query pushed past it and ``acc`` plus its w's share of the output."""
+    kk, ww, dd, bb = _load_token(
+        buf_k, buf_w, buf_decay, buf_beta, (gb + j) * K, (hb + j) * V, hb + j, o_k, o_v, live, K, V, FAMILY,
+    )
+    kv, v = _backward(v, kk, dd, bb, FAMILY)
+    return v, acc + kv * ww
+
+
+@triton.jit
 def _step_emit(
     S, q, k, w, decay, beta, skip, out, x_t, i_h, i_g, o_k, o_v, live,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -310,6 +324,13 @@ def _dense_read(v, rd_h, o_k, o_v, V: tl.constexpr, K: tl.constexpr, ROWS: tl.co
 
 
 @triton.jit
+def _first_map_rows(maps, i_h, o_k, K: tl.constexpr, M: tl.constexpr):
+    """The first 8 rows of head ``i_h``'s coefficient map [8, K] (rows past the table's M: 0)."""
+    o_r = tl.arange(0, 8)
+    return tl.load(maps + (i_h * M + o_r[:, None]) * K + o_k[None, :], mask=o_r[:, None] < M, other=0.0)
+
+
+@triton.jit
 def _checkpoint_read(
     v, rd_h, sk_h, m, pm0, st0, maps, i_h, o_k, o_v,
     K: tl.constexpr, V: tl.constexpr, M: tl.constexpr, SKETCH: tl.constexpr, ROWS: tl.constexpr,
@@ -324,10 +345,7 @@ def _checkpoint_read(
     if SKETCH:
         if m > 0:
             if not EARLY_MAP:
-                o_m = tl.arange(0, 8)
-                pm0 = tl.load(
-                    maps + (i_h * M + o_m[:, None]) * K + o_k[None, :], mask=o_m[:, None] < M, other=0.0
-                )
+                pm0 = _first_map_rows(maps, i_h, o_k, K, M)
             coeff = tl.sum(pm0 * v[None, :], axis=1)
             o = tl.sum(st0.to(tl.float32) * coeff[:, None], axis=0)
             o_r = tl.arange(0, 8)
@@ -463,7 +481,7 @@ def _read_kernel(
     )
     q0 = tl.load(q + (x0 * G + i_g) * K + o_k).to(tl.float32)
     if SKETCH and EARLY_MAP:
-        pm0 = tl.load(maps + (i_h * M + o_r8[:, None]) * K + o_k[None, :], mask=o_r8[:, None] < M, other=0.0)
+        pm0 = _first_map_rows(maps, i_h, o_k, K, M)
     else:
         pm0 = tl.zeros([8, K], dtype=tl.float32)
     sk_h = sk + (s * H + i_h) * sk_head_stride
@@ -536,25 +554,19 @@ def _read_kernel(
             # up front (the faster form at ~160 registers; at 64-80 the groups below win)
             for i in tl.static_range(C):
                 j = C - 1 - i
-                kk, ww, dd, bb = _load_token(
-                    buf_k, buf_w, buf_decay, buf_beta, (gb + j) * K, (hb + j) * V, hb + j,
-                    o_k, o_v, j < p, K, V, FAMILY,
+                v, acc = _sweep_buffered(
+                    v, acc, buf_k, buf_w, buf_decay, buf_beta, hb, gb, j, j < p, o_k, o_v, K, V, FAMILY,
                 )
-                kv, v = _backward(v, kk, dd, bb, FAMILY)
-                acc += kv * ww
         elif FAMILY == 2 or not CHUNKED:
             # the live tokens p-1..0, GROUP per iteration (the group's loads issue together); the
             # last group runs past token 0 with identities
             for j0 in range(0, p, GROUP):
                 for i in tl.static_range(GROUP):
                     j = p - 1 - j0 - i
-                    jc = tl.maximum(j, 0)
-                    kk, ww, dd, bb = _load_token(
-                        buf_k, buf_w, buf_decay, buf_beta, (gb + jc) * K, (hb + jc) * V, hb + jc,
-                        o_k, o_v, j >= 0, K, V, FAMILY,
+                    v, acc = _sweep_buffered(
+                        v, acc, buf_k, buf_w, buf_decay, buf_beta, hb, gb, tl.maximum(j, 0), j >= 0,
+                        o_k, o_v, K, V, FAMILY,
                     )
-                    kv, v = _backward(v, kk, dd, bb, FAMILY)
-                    acc += kv * ww
         else:
             z = tl.sum(kb.to(tl.float32) * v[None, :], axis=1)  # K_b q
             if FAMILY == 1:
