@@ -85,7 +85,7 @@ TUNE_CANDIDATES: dict[str, dict[str, list[KernelConfig]]] = {
         },
     },
     "flush": {
-        "mamba2": [_K(64, 4), _K(32, 4), _K(16, 1, False, 2, 96), _K(32, 2, False, 2, 96)],
+        "mamba2": [_K(64, 4), _K(16, 1, False, 2, 96), _K(32, 2, False, 2, 96)],
         "gdn": [_K(64, 4), _K(16, 1, False, 4), _K(16, 1, False, 2)],
         "kda": [_K(16, 1, False, 4), _K(16, 1, False, 2), _K(32, 2, False, 4)],
     },

@@ -57,10 +57,11 @@ def build(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True):
         consts = dict(T=1, C=16, BC=16, M=32, SKETCH=sketch, K_BF16=True, EMULATE=False,
                       **D._read_options(cfg, s.key_dim), **common)
         return _compile(D._read_kernel, consts, cfg)
-    consts = dict(C=16, BC=16, LOG2_BC=4, HAS_X=True, HAS_READ=True, ROWS=sketch, SKETCH_OUT=sketch,
-                  K_BF16=True, SKETCH_PREC="tf32", EMULATE=False, CHUNKED=cfg.chunked, VEC=cfg.vec,
-                  **common)
-    return _compile(D._flush_kernel, consts, cfg)
+    consts = dict(C=16, HAS_X=True, HAS_READ=True, ROWS=sketch, SKETCH_OUT=sketch, **common)
+    if cfg.chunked:
+        consts.update(BC=16, LOG2_BC=4, K_BF16=True, SKETCH_TERMS=2, EMULATE=False)
+        return _compile(D._flush_chunk_kernel, consts, cfg)
+    return _compile(D._flush_kernel, dict(VEC=cfg.vec, **consts), cfg)
 
 
 def resource_usage(cubin: bytes) -> tuple[int, int]:

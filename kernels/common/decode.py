@@ -19,8 +19,8 @@ advances it by k, rejected entries are overwritten later).
 
 Every family keeps its checkpoint in the model's own frame, so the state is the model's exact
 fp32 recurrence and no per-step rotation of k or q is needed. The sketch of a head of rank m is
-the separate tensor ``R_{:m} S_c`` (m × V), written by the flush with tensor-core dots; a sketch
-read is ``(R_{:m} S_c)ᵀ (P u)`` with the head's model-frame map P.
+the separate tensor ``R_{:m} S_c`` (m × V), written by the flush; a sketch read is
+``(R_{:m} S_c)ᵀ (P u)`` with the head's model-frame map P.
 
 Math per program (one slot, one head, one tile of BV value columns; n buffered tokens j < n,
 ``G = K_b K_bᵀ`` the buffer's Gram matrix, ``g_j = α_{j+1}⋯α_{n−1}``):
@@ -31,21 +31,22 @@ Math per program (one slot, one head, one tile of BV value columns; n buffered t
   z = (I + U)⁻¹ (K_b q), U_{ji} = β_i G_{ji} (i > j) — a back-substitution on n scalars —
   c_j = g_j z_j and u = g_{−1}(q − K_bᵀ(β⊙z)). KDA: the sequential sweep, which the other families
   can also use (``KernelConfig.chunked=False``: every family's default, faster on the H200).
-- flush (chunked, tensor cores): Mamba-2 ``S ← g_{−1} S + K_bᵀ (g⊙W)``; GDN (UT form)
-  ``D = (I + L)⁻¹ (W − (β⊙γ) K_b S)``, ``L_{ji} = β_j (α_{i+1}⋯α_j) G_{ji}`` (j > i),
-  ``S ← γ_n S + K_bᵀ (g⊙D)`` with γ_j = α_0⋯α_j; KDA the same with per-channel decays
-  (:func:`_kda_chunk`). Any family can flush token by token instead (``KernelConfig.chunked=False``:
-  the default for GDN, KDA and the Mamba-2 sketch flush, faster on the H200; scalar decays then
-  ride in a separate scale, :func:`_forward_scaled`). ``(I + L)⁻¹`` is
-  the product ``(I − L)(I + L²)(I + L⁴)(I + L⁸)`` (L is nilpotent). The new token of a flush
-  call is applied after the chunk, token by token.
+- flush, token by token (``KernelConfig.chunked=False``; the default but for the Mamba-2 replay
+  flush, faster on the H200): :func:`_forward` per buffered token on a [K, BV] tile, scalar decays
+  riding in a separate scale (:func:`_forward_scaled`).
+- flush, chunked on tensor cores (:func:`_flush_chunk_kernel`, on the tile ``Sᵀ`` [BV, K]):
+  Mamba-2 ``S ← g_{−1} S + K_bᵀ (g⊙W)``; GDN (UT form) ``D = (I + L)⁻¹ (W − (β⊙γ) K_b S)``,
+  ``L_{ji} = β_j (α_{i+1}⋯α_j) G_{ji}`` (j > i), ``S ← γ_n S + K_bᵀ (g⊙D)`` with γ_j = α_0⋯α_j;
+  KDA the same with per-channel decays and the decayed Gram (:func:`_kda_decayed_gram`).
+  ``(I + L)⁻¹`` is the product ``(I − L)(I + L²)(I + L⁴)(I + L⁸)`` (L is nilpotent). The new
+  token of a flush call is applied after the chunk.
 
 Precision: the checkpoint stays an fp32 recurrence. Every tensor-core product that feeds it is
-fp32-accurate: bf16 keys times an fp32 tile split into three bf16 terms (exact products, fp32
-accumulation), or 3xTF32; products of decays are running products, never ratios (the token-by-
-token flush's scale is folded in before its reciprocal passes 2⁶⁴), so nothing
-overflows. Only the sketch of a bf16 read copy is written with one tf32 pass (its rounding is
-below the bf16 store's).
+fp32-accurate: an fp32 tile split into three bf16 terms times bf16 keys (exact products, fp32
+accumulation), two fp32 tiles split into three terms each (the six largest products), or 3xTF32;
+products of decays are running products, never ratios (the token-by-token flush's scale is
+folded in before its reciprocal passes 2⁶⁴), so nothing overflows. Only a bf16 sketch is written
+from two-term splits (~16 bits, below the bf16 store's rounding).
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ DEFAULT_CONFIGS: dict[tuple[str, str], KernelConfig] = {
         128, 1, chunked=False, maxnreg=64, group=2, dense_rows=16, early_map=False
     ),
     ("sketch", "kda"): KernelConfig(128, 1, maxnreg=72, group=2, dense_rows=16, early_map=False),
-    ("flush_replay", "mamba2"): KernelConfig(32, 4),
+    ("flush_replay", "mamba2"): KernelConfig(64, 4),
     ("flush_replay", "gdn"): KernelConfig(16, 1, chunked=False, vec=2),
     ("flush_replay", "kda"): KernelConfig(16, 1, chunked=False, vec=4),
     ("flush_sketch", "mamba2"): KernelConfig(16, 1, chunked=False, vec=2, maxnreg=96),
@@ -165,17 +166,19 @@ def _load_token(
 
 
 @triton.jit
-def _forward(S, kk, ww, dd, bb, FAMILY: tl.constexpr):
-    """``A S + k wᵀ`` on a [K, BV] fp32 tile."""
+def _forward(S, kk, ww, dd, bb, FAMILY: tl.constexpr, KAXIS: tl.constexpr):
+    """``A S + k wᵀ`` on an fp32 tile holding the key dimension on axis ``KAXIS``: [K, BV] (0, the
+    sweeps) or [BV, K] (1, the tensor-core flush, whose tile is Sᵀ)."""
+    k_ = tl.expand_dims(kk, 1 - KAXIS)
     if FAMILY == 0:
-        S = S * dd + kk[:, None] * ww[None, :]
+        S = S * dd + k_ * tl.expand_dims(ww, KAXIS)
     else:
         if FAMILY == 2:  # noqa: SIM108
-            S = S * dd[:, None]
+            S = S * tl.expand_dims(dd, 1 - KAXIS)
         else:
             S = S * dd
-        ks = tl.sum(S * kk[:, None], axis=0)
-        S = S + kk[:, None] * (ww - bb * ks)[None, :]
+        ks = tl.sum(S * k_, axis=KAXIS)
+        S = S + k_ * tl.expand_dims(ww - bb * ks, KAXIS)
     return S
 
 
@@ -236,16 +239,17 @@ def _sweep_buffered(
 def _step_emit(
     S, q, k, w, decay, beta, skip, out, x_t, i_h, i_g, o_k, o_v, live,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    FAMILY: tl.constexpr, HAS_SKIP: tl.constexpr,
+    FAMILY: tl.constexpr, HAS_SKIP: tl.constexpr, KAXIS: tl.constexpr,
 ):
-    """Apply input token ``x_t`` to the [K, BV] tile S and store its output ``Sᵀq (+ skip)``."""
+    """Apply input token ``x_t`` to the fp32 tile S (key dimension on axis ``KAXIS``, as in
+    :func:`_forward`) and store its output ``Sᵀq (+ skip)`` [BV]."""
     kk, ww, dd, bb = _load_token(
         k, w, decay, beta, (x_t * G + i_g) * K, (x_t * H + i_h) * V, x_t * H + i_h,
         o_k, o_v, live, K, V, FAMILY,
     )
-    S = _forward(S, kk, ww, dd, bb, FAMILY)
+    S = _forward(S, kk, ww, dd, bb, FAMILY, KAXIS)
     qq = tl.load(q + (x_t * G + i_g) * K + o_k).to(tl.float32)
-    o = tl.sum(S * qq[:, None], axis=0)
+    o = tl.sum(S * tl.expand_dims(qq, 1 - KAXIS), axis=KAXIS)
     if HAS_SKIP:
         o += tl.load(skip + (x_t * H + i_h) * V + o_v).to(tl.float32)
     tl.store(out + (x_t * H + i_h) * V + o_v, o.to(out.dtype.element_ty))
@@ -264,23 +268,54 @@ def _bdot(a, b, acc, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _dot32(a, b, A_BF16: tl.constexpr, EMULATE: tl.constexpr):
-    """``a @ b`` on tensor cores for an fp32 ``b``, accurate to ~fp32 rounding.
-
-    ``A_BF16``: ``a`` is a bf16 tile (exact); ``b`` is split into three bf16 terms
-    (8 + 8 + 8 significant bits), each multiplied exactly, with fp32 accumulation (1.5× the
-    tensor-core work of one tf32 pass). Otherwise the product is 3xTF32."""
-    if A_BF16:
-        b1 = b.to(tl.bfloat16)
-        rest = b - b1.to(tl.float32)
-        b2 = rest.to(tl.bfloat16)
-        b3 = (rest - b2.to(tl.float32)).to(tl.bfloat16)
-        out = _bdot(a, b3, tl.zeros((a.shape[0], b.shape[1]), dtype=tl.float32), EMULATE)
-        out = _bdot(a, b2, out, EMULATE)
-        out = _bdot(a, b1, out, EMULATE)
+def _split_bf16(a, TERMS: tl.constexpr):
+    """An fp32 tile as ``TERMS`` (2 or 3) bf16 terms ``a1 + a2 (+ a3)``, largest first, 8
+    significant bits each (the third is 0 when ``TERMS`` is 2)."""
+    a1 = a.to(tl.bfloat16)
+    rest = a - a1.to(tl.float32)
+    a2 = rest.to(tl.bfloat16)
+    if TERMS == 3:  # noqa: SIM108
+        a3 = (rest - a2.to(tl.float32)).to(tl.bfloat16)
     else:
-        out = tl.dot(a.to(tl.float32), b, input_precision="tf32x3")
-    return out
+        a3 = (rest * 0.0).to(tl.bfloat16)
+    return a1, a2, a3
+
+
+@triton.jit
+def _dot_fk(a, b, acc, B_BF16: tl.constexpr, EMULATE: tl.constexpr):
+    """``acc + a @ b`` on tensor cores, accurate to ~fp32 rounding, for an fp32 ``a`` and keys
+    ``b``.
+
+    ``B_BF16``: ``a`` is split into three bf16 terms, each multiplied exactly by the bf16 keys
+    with fp32 accumulation (three bf16 passes; the terms come straight from an MMA accumulator
+    tile without a trip through shared memory). Otherwise 3xTF32."""
+    if B_BF16:
+        # largest term first, each used as soon as it is made (fewer values live at once)
+        a1 = a.to(tl.bfloat16)
+        acc = _bdot(a1, b, acc, EMULATE)
+        rest = a - a1.to(tl.float32)
+        a2 = rest.to(tl.bfloat16)
+        acc = _bdot(a2, b, acc, EMULATE)
+        acc = _bdot((rest - a2.to(tl.float32)).to(tl.bfloat16), b, acc, EMULATE)
+    else:
+        acc = tl.dot(a, b.to(tl.float32), acc, input_precision="tf32x3")
+    return acc
+
+
+@triton.jit
+def _dot_ff(a, b, acc, TERMS: tl.constexpr, EMULATE: tl.constexpr):
+    """``acc + a @ b`` for two fp32 tiles, each split into ``TERMS`` bf16 terms: the products of
+    terms whose weights sum to at most 2⁻⁸⁽ᵀᴱᴿᴹˢ⁻¹⁾ (3 of them for 2 terms, ~16 bits; 6 for 3,
+    ~fp32 rounding), smallest first."""
+    a1, a2, a3 = _split_bf16(a, TERMS)
+    b1, b2, b3 = _split_bf16(b, TERMS)
+    if TERMS == 3:
+        acc = _bdot(a3, b1, acc, EMULATE)
+        acc = _bdot(a2, b2, acc, EMULATE)
+        acc = _bdot(a1, b3, acc, EMULATE)
+    acc = _bdot(a2, b1, acc, EMULATE)
+    acc = _bdot(a1, b2, acc, EMULATE)
+    return _bdot(a1, b1, acc, EMULATE)
 
 
 @triton.jit
@@ -296,7 +331,7 @@ def _gram(kb, A_BF16: tl.constexpr, EMULATE: tl.constexpr):
 
 @triton.jit
 def _unit_lower_inverse(low, o_c, LOG2_BC: tl.constexpr):
-    """``(I + L)⁻¹`` for a strictly lower-triangular [BC, BC] ``L`` (nilpotent, ``L^BC = 0``):
+    """``(I + L)⁻¹`` for a strictly lower- or upper-triangular [BC, BC] ``L`` (nilpotent, ``L^BC = 0``):
     ``(I − L)(I + L²)(I + L⁴)⋯``, ``log2(BC) − 1`` squarings, 3xTF32 dots."""
     inv = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0) - low
     pw = low
@@ -382,38 +417,18 @@ def _buffer_tiles(
 
 
 @triton.jit
-def _kda_chunk(
-    S, buf_k, buf_w, buf_decay, buf_beta, hb, gb, n, o_c, o_k, o_v,
-    K: tl.constexpr, V: tl.constexpr, LOG2_BC: tl.constexpr,
-):
-    """KDA: the first ``n`` buffered tokens folded into a [K, BV] fp32 tile in UT form.
-
-    With ``B_j = α_0⋯α_j`` (per channel) and the decayed Gram ``H_{ji} = Σ_c k_j k_i α_{i+1}⋯α_j``
-    (j > i; built by a running product, never a ratio, so no decay can overflow):
-    ``D = (I + L)⁻¹ (W − β ⊙ (K_b ⊙ B) S)``, ``L = β ⊙ H`` (strictly lower), then
-    ``S ← B_{n−1} ⊙ S + (K_b ⊙ ρ)ᵀ D`` with ``ρ_i = α_{i+1}⋯α_{n−1}``."""
-    live = o_c[:, None] < n
-    kb = tl.load(buf_k + (gb + o_c[:, None]) * K + o_k[None, :], mask=live, other=0.0).to(tl.float32)
-    wb = tl.load(buf_w + (hb + o_c[:, None]) * V + o_v[None, :], mask=live, other=0.0).to(tl.float32)
-    al = tl.load(buf_decay + (hb + o_c[:, None]) * K + o_k[None, :], mask=live, other=1.0).to(tl.float32)
-    al_next = tl.load(
-        buf_decay + (hb + o_c[:, None] + 1) * K + o_k[None, :], mask=o_c[:, None] + 1 < n, other=1.0
-    ).to(tl.float32)
-    bt = tl.load(buf_beta + hb + o_c, mask=o_c < n, other=0.0).to(tl.float32)
-    rho = tl.cumprod(al_next, 0, reverse=True)
-    total = tl.sum(tl.where(o_c[:, None] == 0, rho * al, 0.0), axis=0)  # B_{n−1} [K]
-    # H by a running product: row i of dec holds k_i ⊙ α_{i+1}⋯α_j after token j's decay
-    dec = tl.zeros_like(kb)
-    h_t = tl.zeros((kb.shape[0], kb.shape[0]), dtype=tl.float32)  # h_t[i, j] = H_{ji}
+def _kda_decayed_gram(buf_k, buf_decay, hb, gb, n, o_c, o_k, BC: tl.constexpr, K: tl.constexpr):
+    """KDA: ``h[i, j] = H_{ji} = Σ_c k_j k_i α_{i+1}⋯α_j`` (j > i; 0 elsewhere) [BC, BC] over the
+    first ``n`` buffered tokens, by a running product (never a ratio, so no decay overflows): row i
+    of ``dec`` holds ``k_i ⊙ α_{i+1}⋯α_j`` after token j's decay."""
+    dec = tl.zeros((BC, K), dtype=tl.float32)
+    h = tl.zeros((BC, BC), dtype=tl.float32)
     for j in range(0, n):
         k_j = tl.load(buf_k + (gb + j) * K + o_k).to(tl.float32)
         dec = dec * tl.load(buf_decay + (hb + j) * K + o_k).to(tl.float32)[None, :]
-        h_t = tl.where(o_c[None, :] == j, tl.sum(dec * k_j[None, :], axis=1)[:, None], h_t)
+        h = tl.where(o_c[None, :] == j, tl.sum(dec * k_j[None, :], axis=1)[:, None], h)
         dec = tl.where(o_c[:, None] == j, k_j[None, :], dec)
-    low = tl.where(o_c[:, None] > o_c[None, :], bt[:, None] * tl.trans(h_t), 0.0)
-    rhs = wb - bt[:, None] * tl.dot(kb * tl.cumprod(al, 0), S, input_precision="tf32x3")
-    d = tl.dot(_unit_lower_inverse(low, o_c, LOG2_BC), rhs, input_precision="tf32x3")
-    return S * total[:, None] + tl.dot(tl.trans(kb * rho), d, input_precision="tf32x3")
+    return h
 
 
 # ----------------------------------------------------------------------------------------------
@@ -442,7 +457,7 @@ def _standard_kernel(
     for t in tl.static_range(T):
         x_t = i_b * T + t
         S = _step_emit(S, q, k, w, decay, beta, skip, out, x_t, i_h, i_g, o_k, o_v, live,
-                       H, G, K, V, FAMILY, HAS_SKIP)
+                       H, G, K, V, FAMILY, HAS_SKIP, 0)
     tl.store(p_s, S, eviction_policy="evict_first")
 
 
@@ -587,16 +602,28 @@ def _read_kernel(
 
 
 @triton.jit
+def _store_read_copy(S, p_r, read_rows, i_h, ROWS: tl.constexpr):
+    """The refreshed read copy of a flushed tile; ``ROWS`` (sketch mode): only for a dense head
+    (``read_rows[h]`` = K) — a branch, not a row mask (which costs the token-by-token form twice
+    the registers)."""
+    if ROWS:
+        if tl.load(read_rows + i_h) > 0:
+            tl.store(p_r, S.to(p_r.dtype.element_ty))
+    else:
+        tl.store(p_r, S.to(p_r.dtype.element_ty))
+
+
+@triton.jit
 def _flush_kernel(
     state, slots, pos, q, k, w, decay, beta, skip, out,
     buf_k, buf_w, buf_decay, buf_beta,
     rd, read_rows, sk, ranks, frames, sk_head_stride,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-    C: tl.constexpr, BC: tl.constexpr, LOG2_BC: tl.constexpr, FAMILY: tl.constexpr,
+    C: tl.constexpr, FAMILY: tl.constexpr,
     HAS_X: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_READ: tl.constexpr, ROWS: tl.constexpr,
-    SKETCH_OUT: tl.constexpr, K_BF16: tl.constexpr, SKETCH_PREC: tl.constexpr, EMULATE: tl.constexpr,
-    CHUNKED: tl.constexpr, VEC: tl.constexpr,
+    SKETCH_OUT: tl.constexpr, VEC: tl.constexpr,
 ):
+    """The token-by-token flush on [K, BV] tiles of S (any family)."""
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
     i_b = tl.program_id(2)
@@ -615,77 +642,136 @@ def _flush_kernel(
     gb = (s * G + i_g) * C
     p_s = state + (s * H + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :]
     S = tl.load(p_s, eviction_policy="evict_first")
-    o_c = tl.arange(0, BC)
-    if not CHUNKED:  # token by token, any family
-        # a rolled loop (an unrolled one overflows the instruction cache: ncu showed 59% of the
-        # stalls waiting for instructions) that loads token j + 1 while token j is applied (two
-        # ahead was slower on the H200); scalar decays go into a separate scale
-        # (_forward_scaled), applied once at the end
-        kk, ww, dd, bb = _load_token(
-            buf_k, buf_w, buf_decay, buf_beta, gb * K, hb * V, hb, o_k, o_v, n > 0, K, V, FAMILY,
+    # a rolled loop (an unrolled one overflows the instruction cache: ncu showed 59% of the
+    # stalls waiting for instructions) that loads token j + 1 while token j is applied (two
+    # ahead was slower on the H200); scalar decays go into a separate scale
+    # (_forward_scaled), applied once at the end
+    kk, ww, dd, bb = _load_token(
+        buf_k, buf_w, buf_decay, buf_beta, gb * K, hb * V, hb, o_k, o_v, n > 0, K, V, FAMILY,
+    )
+    scale = dd * 0.0 + 1.0  # Mamba-2, GDN: the decay product so far (KDA: unused)
+    for j in range(0, n):
+        kn, wn, dn, bn = _load_token(
+            buf_k, buf_w, buf_decay, buf_beta, (gb + j + 1) * K, (hb + j + 1) * V, hb + j + 1,
+            o_k, o_v, j + 1 < n, K, V, FAMILY,
         )
-        scale = dd * 0.0 + 1.0  # Mamba-2, GDN: the decay product so far (KDA: unused)
-        for j in range(0, n):
-            kn, wn, dn, bn = _load_token(
-                buf_k, buf_w, buf_decay, buf_beta, (gb + j + 1) * K, (hb + j + 1) * V, hb + j + 1,
-                o_k, o_v, j + 1 < n, K, V, FAMILY,
-            )
-            if FAMILY == 2:  # per-channel decays go straight into the tile
-                S = _forward(S, kk, ww, dd, bb, FAMILY)
-            else:
-                S, scale = _forward_scaled(S, scale, kk, ww, dd, bb, FAMILY)
-            kk, ww, dd, bb = kn, wn, dn, bn
-        if FAMILY != 2:
-            S = S * scale
-    elif FAMILY == 2:
-        S = _kda_chunk(S, buf_k, buf_w, buf_decay, buf_beta, hb, gb, n, o_c, o_k, o_v, K, V, LOG2_BC)
-    else:
-        kb, wb, al, g, total = _buffer_tiles(buf_k, buf_w, buf_decay, hb, gb, n, o_c, o_k, o_v, K, V)
-        if FAMILY == 1:
-            bt = tl.load(buf_beta + hb + o_c, mask=o_c < n, other=0.0).to(tl.float32)
-            lower_mask = o_c[:, None] > o_c[None, :]
-            # α_{i+1}⋯α_j at [j, i] (j > i): a running product down the rows
-            ratio = tl.cumprod(tl.where(lower_mask, al[:, None], 1.0), 0)
-            low = tl.where(lower_mask, (bt[:, None] * ratio) * _gram(kb, K_BF16, EMULATE), 0.0)
-            gam = tl.cumprod(al, 0)  # α_0⋯α_j
-            rhs = wb - (bt * gam)[:, None] * _dot32(kb, S, K_BF16, EMULATE)
-            wb = tl.dot(_unit_lower_inverse(low, o_c, LOG2_BC), rhs, input_precision="tf32x3")  # D
-        S = S * total + _dot32(tl.trans(kb), wb * g[:, None], K_BF16, EMULATE)
+        if FAMILY == 2:  # per-channel decays go straight into the tile
+            S = _forward(S, kk, ww, dd, bb, FAMILY, 0)
+        else:
+            S, scale = _forward_scaled(S, scale, kk, ww, dd, bb, FAMILY)
+        kk, ww, dd, bb = kn, wn, dn, bn
+    if FAMILY != 2:
+        S = S * scale
     if HAS_X:
         S = _step_emit(S, q, k, w, decay, beta, skip, out, i_b, i_h, i_g, o_k, o_v, live,
-                       H, G, K, V, FAMILY, HAS_SKIP)
+                       H, G, K, V, FAMILY, HAS_SKIP, 0)
     tl.store(p_s, S, eviction_policy="evict_first")
     if HAS_READ:
         p_r = rd + (s * H + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :]
-        if ROWS:
-            # K rows (a dense head) or none: a branch, not a row mask (which costs the token-by-token
-            # form twice the registers)
-            if tl.load(read_rows + i_h) > 0:
-                tl.store(p_r, S.to(rd.dtype.element_ty))
-        else:
-            tl.store(p_r, S.to(rd.dtype.element_ty))
+        _store_read_copy(S, p_r, read_rows, i_h, ROWS)
     if SKETCH_OUT:
         m = tl.load(ranks + i_h)
-        if CHUNKED:
-            # R_{:m} S in chunks of 16 rows (tensor-core dots)
-            o_r = tl.arange(0, 16)
-            for r0 in range(0, m, 16):
-                rows = (r0 + o_r)[:, None] < m
-                rm = tl.load(frames + (i_g * K + r0 + o_r[:, None]) * K + o_k[None, :], mask=rows, other=0.0)
-                sk_t = tl.dot(rm, S, input_precision=SKETCH_PREC)
-                p_sk = sk + (s * H + i_h) * sk_head_stride + (r0 + o_r[:, None]) * V + o_v[None, :]
-                tl.store(p_sk, sk_t.to(sk.dtype.element_ty), mask=rows)
-        else:
-            sk_h = sk + (s * H + i_h) * sk_head_stride
-            fr_g = frames + i_g * K * K  # R of this head's group, [K, K]
-            # row by row on the FMA units: the sweep's tile layout is not a tensor-core operand's,
-            # and converting it costs more than the m reductions over K. Row r + 1 of R is loaded
-            # while row r is applied.
-            rrow = tl.load(fr_g + o_k, mask=o_k < tl.where(m > 0, K, 0), other=0.0)
-            for r in range(0, m):
-                rnext = tl.load(fr_g + (r + 1) * K + o_k, mask=o_k < tl.where(r + 1 < m, K, 0), other=0.0)
-                tl.store(sk_h + r * V + o_v, tl.sum(S * rrow[:, None], axis=0).to(sk.dtype.element_ty))
-                rrow = rnext
+        sk_h = sk + (s * H + i_h) * sk_head_stride
+        fr_g = frames + i_g * K * K  # R of this head's group, [K, K]
+        # row by row on the FMA units: the sweep's tile layout is not a tensor-core operand's,
+        # and converting it costs more than the m reductions over K. Row r + 1 of R is loaded
+        # while row r is applied.
+        rrow = tl.load(fr_g + o_k, mask=o_k < tl.where(m > 0, K, 0), other=0.0)
+        for r in range(0, m):
+            rnext = tl.load(fr_g + (r + 1) * K + o_k, mask=o_k < tl.where(r + 1 < m, K, 0), other=0.0)
+            tl.store(sk_h + r * V + o_v, tl.sum(S * rrow[:, None], axis=0).to(sk.dtype.element_ty))
+            rrow = rnext
+
+
+@triton.jit
+def _flush_chunk_kernel(
+    state, slots, pos, q, k, w, decay, beta, skip, out,
+    buf_k, buf_w, buf_decay, buf_beta,
+    rd, read_rows, sk, ranks, frames, sk_head_stride,
+    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+    C: tl.constexpr, BC: tl.constexpr, LOG2_BC: tl.constexpr, FAMILY: tl.constexpr,
+    HAS_X: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_READ: tl.constexpr, ROWS: tl.constexpr,
+    SKETCH_OUT: tl.constexpr, K_BF16: tl.constexpr, SKETCH_TERMS: tl.constexpr,
+    EMULATE: tl.constexpr,
+):
+    """The chunked flush on tensor cores. The tile is ``Sᵀ`` [BV, K]: it is the accumulator of the
+    update and, split into bf16 terms, the left operand of every product, so it never leaves the
+    MMA register layout; the keys and R rows are the right operands."""
+    i_v = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_b = tl.program_id(2)
+    s = tl.load(slots + i_b).to(tl.int64)
+    if s < 0:
+        return
+    n = tl.load(pos + i_b)
+    i_g = i_h // (H // G)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_c = tl.arange(0, BC)
+    live = s >= 0
+    hb = (s * H + i_h) * C
+    gb = (s * G + i_g) * C
+    p_s = state + (s * H + i_h) * (K * V) + o_k[None, :] * V + o_v[:, None]
+    St = tl.load(p_s, eviction_policy="evict_first")
+    # a product with zero operands puts the tile in the MMA accumulator layout once: every bf16
+    # split below then reaches its product without another trip through shared memory
+    St = tl.dot(tl.zeros((BV, 16), dtype=tl.bfloat16), tl.zeros((16, K), dtype=tl.bfloat16), St)
+    kb = tl.load(buf_k + (gb + o_c[:, None]) * K + o_k[None, :], mask=o_c[:, None] < n, other=0.0)
+    wt = tl.load(buf_w + (hb + o_c[None, :]) * V + o_v[:, None], mask=o_c[None, :] < n, other=0.0)
+    wt = wt.to(tl.float32)  # Wᵀ [BV, BC]
+    upper = o_c[None, :] > o_c[:, None]
+    if FAMILY == 2:
+        # S ← B_{n−1} ⊙ S + (K_b ⊙ ρ)ᵀ D, D = (I + L)⁻¹ (W − β ⊙ (K_b ⊙ B) S), L = β ⊙ H (j > i):
+        # B_j = α_0⋯α_j and ρ_i = α_{i+1}⋯α_{n−1} per channel, H the decayed Gram
+        k32 = kb.to(tl.float32)
+        live_c = o_c[:, None] < n
+        al = tl.load(buf_decay + (hb + o_c[:, None]) * K + o_k[None, :], mask=live_c, other=1.0)
+        al_next = tl.load(
+            buf_decay + (hb + o_c[:, None] + 1) * K + o_k[None, :], mask=o_c[:, None] + 1 < n, other=1.0
+        )
+        al, al_next = al.to(tl.float32), al_next.to(tl.float32)
+        bt = tl.load(buf_beta + hb + o_c, mask=o_c < n, other=0.0).to(tl.float32)
+        rho = tl.cumprod(al_next, 0, reverse=True)
+        total = tl.sum(tl.where(o_c[:, None] == 0, rho * al, 0.0), axis=0)  # B_{n−1} [K]
+        h = _kda_decayed_gram(buf_k, buf_decay, hb, gb, n, o_c, o_k, BC, K)
+        low_t = tl.where(upper, bt[None, :] * h, 0.0)  # Lᵀ
+        xt = _dot_ff(St, tl.trans(k32 * tl.cumprod(al, 0)), tl.zeros((BV, BC), dtype=tl.float32), 3, EMULATE)
+        dt = tl.dot(wt - xt * bt[None, :], _unit_lower_inverse(low_t, o_c, LOG2_BC), input_precision="tf32x3")
+        St = _dot_ff(dt, k32 * rho, St * total[None, :], 3, EMULATE)
+    else:
+        # Mamba-2: S ← g_{−1} S + K_bᵀ (g ⊙ W); GDN (UT form): W replaced by
+        # D = (I + L)⁻¹ (W − (β⊙γ) K_b S), L_{ji} = β_j (α_{i+1}⋯α_j) G_{ji} (j > i), γ_j = α_0⋯α_j
+        al = tl.load(buf_decay + hb + o_c, mask=o_c < n, other=1.0).to(tl.float32)
+        al_next = tl.load(buf_decay + hb + o_c + 1, mask=o_c + 1 < n, other=1.0).to(tl.float32)
+        g = tl.cumprod(al_next, 0, reverse=True)  # α_{j+1}⋯α_{n−1}
+        total = tl.sum(tl.where(o_c == 0, g * al, 0.0), axis=0)
+        if FAMILY == 1:
+            bt = tl.load(buf_beta + hb + o_c, mask=o_c < n, other=0.0).to(tl.float32)
+            # Lᵀ: α_{i+1}⋯α_j at [i, j] (j > i), a running product along the row
+            ratio_t = tl.cumprod(tl.where(upper, al[None, :], 1.0), 1)
+            low_t = tl.where(upper, (bt[None, :] * ratio_t) * _gram(kb, K_BF16, EMULATE), 0.0)
+            xt = _dot_fk(St, tl.trans(kb), tl.zeros((BV, BC), dtype=tl.float32), K_BF16, EMULATE)
+            zt = wt - xt * (bt * tl.cumprod(al, 0))[None, :]
+            wt = tl.dot(zt, _unit_lower_inverse(low_t, o_c, LOG2_BC), input_precision="tf32x3")  # Dᵀ
+        St = _dot_fk(wt * g[None, :], kb, St * total, K_BF16, EMULATE)
+    if HAS_X:
+        St = _step_emit(St, q, k, w, decay, beta, skip, out, i_b, i_h, i_g, o_k, o_v, live,
+                        H, G, K, V, FAMILY, HAS_SKIP, 1)
+    tl.store(p_s, St, eviction_policy="evict_first")
+    if HAS_READ:
+        p_r = rd + (s * H + i_h) * (K * V) + o_k[None, :] * V + o_v[:, None]
+        _store_read_copy(St, p_r, read_rows, i_h, ROWS)
+    if SKETCH_OUT:
+        # (R_{:m} S)ᵀ = Sᵀ R_{:m}ᵀ, 16 rows of R at a time
+        m = tl.load(ranks + i_h)
+        o_r = tl.arange(0, 16)
+        for r0 in range(0, m, 16):
+            rows = (r0 + o_r) < m
+            p_rm = frames + (i_g * K + r0 + o_r[:, None]) * K + o_k[None, :]
+            rm = tl.load(p_rm, mask=rows[:, None], other=0.0)
+            skt = _dot_ff(St, tl.trans(rm), tl.zeros((BV, 16), dtype=tl.float32), SKETCH_TERMS, EMULATE)
+            p_sk = sk + (s * H + i_h) * sk_head_stride + (r0 + o_r[None, :]) * V + o_v[:, None]
+            tl.store(p_sk, skt.to(sk.dtype.element_ty), mask=rows[None, :])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -896,14 +982,11 @@ def flush(
     else:
         b = slots.shape[0]
     cfg = config or default_config("flush_sketch" if sketch else "flush_replay", family)
-    bv = max(_block_v(cfg, vd), CHUNK_MIN if cfg.chunked else 1)  # tl.dot needs 16 columns
+    bv = max(_block_v(cfg, vd), CHUNK_MIN if cfg.chunked else 1)  # tl.dot needs 16 rows
     sk = pool.sketch if sketch else pool.state
-    # a low-precision sketch is rounded to ≤ 8 mantissa bits anyway: one tf32 pass is enough
-    sketch_prec = "tf32x3" if sk.dtype == torch.float32 else "tf32"
     xs = x if x is not None else StepInputs(pool.buf_k, pool.buf_k, pool.buf_w, pool.buf_decay, pool.buf_beta)
     dummy = pool.buf_decay
-    bc = _buffer_block(pool.capacity)
-    _flush_kernel[(vd // bv, heads, b)](
+    args = (
         pool.state, slots, pos, xs.q, xs.k, xs.w, xs.decay, _beta(xs),
         xs.skip if xs.skip is not None else xs.w, out if out is not None else dummy,
         pool.buf_k, pool.buf_w, pool.buf_decay, pool.buf_beta if pool.buf_beta is not None else dummy,
@@ -911,10 +994,21 @@ def flush(
         tables.read_rows if sketch else slots,
         sk, tables.ranks if sketch else slots, tables.frames if sketch else dummy,
         sk.shape[2] * sk.shape[3],
-        H=heads, G=g, K=kd, V=vd, BV=bv, C=pool.capacity, BC=bc, LOG2_BC=bc.bit_length() - 1,
-        FAMILY=FAMILY_ID[family], HAS_X=x is not None, HAS_SKIP=x is not None and x.skip is not None,
-        HAS_READ=pool.read is not None, ROWS=sketch, SKETCH_OUT=sketch, K_BF16=_keys_bf16(pool),
-        SKETCH_PREC=sketch_prec, EMULATE=_interpreting(), CHUNKED=cfg.chunked, VEC=cfg.vec,
-        **_launch_options(cfg),
     )
+    common = dict(
+        H=heads, G=g, K=kd, V=vd, BV=bv, C=pool.capacity, FAMILY=FAMILY_ID[family], HAS_X=x is not None,
+        HAS_SKIP=x is not None and x.skip is not None, HAS_READ=pool.read is not None, ROWS=sketch,
+        SKETCH_OUT=sketch, **_launch_options(cfg),
+    )
+    grid = (vd // bv, heads, b)
+    if cfg.chunked:
+        bc = _buffer_block(pool.capacity)
+        # a low-precision sketch is rounded to ≤ 8 mantissa bits anyway: 2 bf16 terms (~16 bits)
+        terms = 3 if sk.dtype == torch.float32 else 2
+        _flush_chunk_kernel[grid](
+            *args, BC=bc, LOG2_BC=bc.bit_length() - 1, K_BF16=_keys_bf16(pool), SKETCH_TERMS=terms,
+            EMULATE=_interpreting(), **common,
+        )
+    else:
+        _flush_kernel[grid](*args, VEC=cfg.vec, **common)
     return out

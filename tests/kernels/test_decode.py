@@ -42,7 +42,8 @@ def _ranks(heads: int, key_dim: int, real: bool) -> list[int]:
 
 
 def run_case(
-    family: str, op: str, shape, dtype_name: str, device, seed: int = 0, real: bool = False, config=None
+    family: str, op: str, shape, dtype_name: str, device, seed: int = 0, real: bool = False, config=None,
+    fp32_tol: float = 1e-5,
 ):
     h, g, kd, vd = shape
     dtype = DTYPES[dtype_name]
@@ -84,7 +85,7 @@ def run_case(
         old = before.tensors()[name]
         assert torch.equal(t[untouched], old[untouched]), f"{name}: unaddressed slot changed"
         exp = want_pool.tensors()[name]
-        tol = 1e-5 if t.dtype in (torch.float32, torch.float64) or name.startswith("buf") else 1e-2
+        tol = fp32_tol if t.dtype in (torch.float32, torch.float64) or name.startswith("buf") else 1e-2
         if name.startswith("buf"):
             assert torch.equal(t, exp), f"{name} differs from the reference"
         elif not torch.equal(t, exp):
@@ -159,12 +160,26 @@ def test_narrow_sweep_flush_cpu(family, op):
     run_case(family, op, CPU_SHAPES[family][1], "fp32", "cpu", seed=10, config=config)
 
 
-@pytest.mark.parametrize("vec", [0, 2])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize(("block_v", "warps"), [(16, 1), (32, 2)])
+@pytest.mark.parametrize("op", ["flush", "flush_sketch"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_sweep_flush_tiny_and_zero_decays_cpu(family, vec):
+def test_chunked_flush_cpu(family, op, block_v, warps, dtype):
+    """The tensor-core flush on Sᵀ tiles: bf16 keys (the fp32 operand split into three bf16
+    terms) and fp32 keys (3xTF32), one or two value tiles per head at V = 32. The fp32 results are
+    held to 1e-6, ten times tighter than elsewhere: both flush forms land near 1e-7, and a split
+    that dropped its third bf16 term (~16 bits) would still pass 1e-5."""
+    config = decode.KernelConfig(block_v, warps, chunked=True)
+    run_case(family, op, CPU_SHAPES[family][0], dtype, "cpu", seed=13, config=config, fp32_tol=1e-6)
+
+
+@pytest.mark.parametrize(("chunked", "vec"), [(False, 0), (False, 2), (True, 0)])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_flush_tiny_and_zero_decays_cpu(family, chunked, vec):
     """The token-by-token flush keeps the window's decay product apart from the tile (a scale
-    folded in when it gets tiny). Decays whose product underflows that scale (1e-30 twice) and an
-    exact zero decay (the state before it forgotten) must still give the float64 reference."""
+    folded in when it gets tiny); the chunked one builds running products of decays. Decays whose
+    product underflows (1e-30 twice) and an exact zero decay (the state before it forgotten) must
+    still give the float64 reference."""
     h, g, kd, vd = CPU_SHAPES[family][1]
     gen = torch.Generator().manual_seed(11)
     pool = random_pool(family, 4, h, g, kd, vd, capacity=6, input_dtype=torch.float32, generator=gen)
@@ -174,7 +189,7 @@ def test_sweep_flush_tiny_and_zero_decays_cpu(family, vec):
     slots = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
     pos = torch.tensor([6, 5, 6, 0], dtype=torch.int32)
     got, want = pool.clone(), pool.clone()
-    config = decode.KernelConfig(16, 1, chunked=False, vec=vec)
+    config = decode.KernelConfig(16, 1, chunked=chunked, vec=vec)
     decode.flush(family, got, slots, pos, config=config)
     ref.flush(family, want, slots, pos)
     assert torch.isfinite(got.state).all()
