@@ -169,16 +169,17 @@ def _load_token(
 def _forward(S, kk, ww, dd, bb, FAMILY: tl.constexpr, KAXIS: tl.constexpr):
     """``A S + k wᵀ`` on an fp32 tile holding the key dimension on axis ``KAXIS``: [K, BV] (0, the
     sweeps) or [BV, K] (1, the tensor-core flush, whose tile is Sᵀ)."""
-    k_ = tl.expand_dims(kk, 1 - KAXIS)
+    # (the order of these ops is the one ptxas schedules best: KDA's token-by-token flush ran 5-20%
+    # slower on the H200 with the key's broadcast hoisted above the decay)
     if FAMILY == 0:
-        S = S * dd + k_ * tl.expand_dims(ww, KAXIS)
+        S = S * dd + tl.expand_dims(kk, 1 - KAXIS) * tl.expand_dims(ww, KAXIS)
     else:
         if FAMILY == 2:  # noqa: SIM108
             S = S * tl.expand_dims(dd, 1 - KAXIS)
         else:
             S = S * dd
-        ks = tl.sum(S * k_, axis=KAXIS)
-        S = S + k_ * tl.expand_dims(ww - bb * ks, KAXIS)
+        ks = tl.sum(S * tl.expand_dims(kk, 1 - KAXIS), axis=KAXIS)
+        S = S + tl.expand_dims(kk, 1 - KAXIS) * tl.expand_dims(ww - bb * ks, KAXIS)
     return S
 
 
