@@ -74,19 +74,21 @@ TUNE_CANDIDATES: dict[str, dict[str, list[KernelConfig]]] = {
         "kda": [_K(64, 1, group=4, dense_rows=16), _K(128, 1, group=4, dense_rows=16)],
     },
     "sketch": {
-        "mamba2": [_K(64, 1, False, maxnreg=64, group=4, dense_rows=16),
-                   _K(64, 1, False, maxnreg=64, group=4, dense_rows=16, early_map=False),
-                   _K(64, 1, False, maxnreg=56, group=4, dense_rows=16, early_map=False)],
-        **{
-            # one program per head (V = 128): the sweep is done once, not once per half
-            f: [_K(128, 1, chunked, maxnreg=cap, group=2, dense_rows=16) for cap in (80, 96)]
-            + [_K(128, 1, chunked, maxnreg=cap, group=2, dense_rows=16, early_map=False) for cap in (64, 72)]
-            for f, chunked in (("gdn", False), ("kda", True))
-        },
+        # map rows loaded after the sweep (early_map=False) won every run since they were tried;
+        # groups of 3-6 cut the dependent load round trips of a long buffer at ≤ 72 registers
+        "mamba2": [_K(64, 1, False, maxnreg=cap, group=g, dense_rows=16, early_map=False)
+                   for cap, g in ((64, 4), (56, 4), (64, 6))],
+        # one program per head (V = 128): the sweep is done once, not once per half
+        "gdn": [_K(128, 1, False, maxnreg=cap, group=g, dense_rows=16, early_map=False)
+                for cap, g in ((64, 2), (72, 2), (64, 3), (72, 4))],
+        "kda": [_K(128, 1, True, maxnreg=cap, group=g, dense_rows=16, early_map=False)
+                for cap, g in ((64, 2), (72, 2), (72, 3))],
     },
     "flush": {
-        "mamba2": [_K(64, 4), _K(16, 1, False, 2, 96), _K(32, 2, False, 2, 96)],
-        "gdn": [_K(64, 4), _K(16, 1, False, 4), _K(16, 1, False, 2)],
+        # the chunked (tensor-core) flush on Sᵀ tiles (a register cap trades a few spills for more
+        # resident warps), and the token-by-token sweeps
+        "mamba2": [_K(64, 4), _K(64, 4, maxnreg=128), _K(64, 4, maxnreg=120), _K(16, 1, False, 2, 96)],
+        "gdn": [_K(64, 4, maxnreg=168), _K(16, 1, False, 4), _K(16, 1, False, 2)],
         "kda": [_K(16, 1, False, 4), _K(16, 1, False, 2), _K(32, 2, False, 4)],
     },
 }

@@ -126,7 +126,7 @@ DEFAULT_CONFIGS: dict[tuple[str, str], KernelConfig] = {
     ("flush_replay", "mamba2"): KernelConfig(64, 4),
     ("flush_replay", "gdn"): KernelConfig(16, 1, chunked=False, vec=2),
     ("flush_replay", "kda"): KernelConfig(16, 1, chunked=False, vec=4),
-    ("flush_sketch", "mamba2"): KernelConfig(16, 1, chunked=False, vec=2, maxnreg=96),
+    ("flush_sketch", "mamba2"): KernelConfig(64, 4, maxnreg=128),
     ("flush_sketch", "gdn"): KernelConfig(16, 1, chunked=False, vec=2),
     ("flush_sketch", "kda"): KernelConfig(32, 2, chunked=False, vec=4),
 }
