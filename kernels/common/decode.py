@@ -108,7 +108,7 @@ class KernelConfig:
 # Defaults by (kernel, family); ``block_v`` is clipped to V: the fastest launch shapes on an H200 at
 # batch 256 among ``bench.TUNE_CANDIDATES`` (BENCHMARKS.md, "Decode kernels"), checked there by the
 # ``gpu`` tests with exactly these shapes. The token-by-token forms won everywhere but the Mamba-2
-# replay flush. ``bench.run_bench(tune=True)`` re-picks them on another device.
+# flushes (chunked, on tensor cores). ``bench.run_bench(tune=True)`` re-picks them on another device.
 DEFAULT_CONFIGS: dict[tuple[str, str], KernelConfig] = {
     ("standard", "mamba2"): KernelConfig(64, 4),
     ("standard", "gdn"): KernelConfig(64, 4),
@@ -117,7 +117,7 @@ DEFAULT_CONFIGS: dict[tuple[str, str], KernelConfig] = {
     ("replay", "gdn"): KernelConfig(128, 1, chunked=False, group=4, dense_rows=16),
     ("replay", "kda"): KernelConfig(128, 1, group=4, dense_rows=16),
     ("sketch", "mamba2"): KernelConfig(
-        64, 1, chunked=False, maxnreg=64, group=4, dense_rows=16, early_map=False
+        64, 1, chunked=False, maxnreg=64, group=6, dense_rows=16, early_map=False
     ),
     ("sketch", "gdn"): KernelConfig(
         128, 1, chunked=False, maxnreg=64, group=2, dense_rows=16, early_map=False
@@ -128,7 +128,7 @@ DEFAULT_CONFIGS: dict[tuple[str, str], KernelConfig] = {
     ("flush_replay", "kda"): KernelConfig(16, 1, chunked=False, vec=4),
     ("flush_sketch", "mamba2"): KernelConfig(64, 4, maxnreg=128),
     ("flush_sketch", "gdn"): KernelConfig(16, 1, chunked=False, vec=2),
-    ("flush_sketch", "kda"): KernelConfig(32, 2, chunked=False, vec=4),
+    ("flush_sketch", "kda"): KernelConfig(16, 1, chunked=False, vec=4),
 }
 
 CHUNK_MIN = 16  # tl.dot needs at least 16 rows/columns: buffer tiles are padded to this
