@@ -149,6 +149,10 @@ class SketchTables:
     def __post_init__(self) -> None:
         # checked once here, not per step (that would be a host sync): the flush refreshes a
         # head's read copy whole or not at all
+        for name in ("maps", "frames"):
+            if getattr(self, name).dtype != torch.float32:
+                raise ValueError(f"SketchTables.{name} must be float32 (the kernels read them as such), "
+                                 f"got {getattr(self, name).dtype}")
         key_dim = self.frames.shape[-1]
         bad = sorted(set(self.read_rows.tolist()) - {0, key_dim})
         if bad:

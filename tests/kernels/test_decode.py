@@ -213,6 +213,15 @@ def test_bf16_read_copy_is_close_to_exact():
     assert _rel(got, want) <= 1e-2
 
 
+@pytest.mark.parametrize("field", ["maps", "frames"])
+def test_low_precision_tables_are_refused(field):
+    tables = random_sketch("gdn", [0, 4], 1, 16, torch.Generator().manual_seed(0))
+    parts = dict(ranks=tables.ranks, maps=tables.maps, frames=tables.frames, read_rows=tables.read_rows)
+    parts[field] = parts[field].to(torch.bfloat16)
+    with pytest.raises(ValueError, match=field):
+        SketchTables("gdn", **parts)
+
+
 def test_partial_read_rows_are_refused():
     tables = random_sketch("gdn", [0, 4], 1, 16, torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="read_rows"):
