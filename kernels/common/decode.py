@@ -31,10 +31,11 @@ Math per program (one slot, one head, one tile of BV value columns; n buffered t
   z = (I + U)⁻¹ (K_b q), U_{ji} = β_i G_{ji} (i > j) — a back-substitution on n scalars —
   c_j = g_j z_j and u = g_{−1}(q − K_bᵀ(β⊙z)). KDA: the sequential sweep, which the other families
   can also use (``KernelConfig.chunked=False``: every family's default, faster on the H200).
-- flush, token by token (``KernelConfig.chunked=False``; the default but for the Mamba-2 replay
-  flush, faster on the H200): :func:`_forward` per buffered token on a [K, BV] tile, scalar decays
-  riding in a separate scale (:func:`_forward_scaled`).
-- flush, chunked on tensor cores (:func:`_flush_chunk_kernel`, on the tile ``Sᵀ`` [BV, K]):
+- flush, token by token (``KernelConfig.chunked=False``; GDN's and KDA's default, faster on the
+  H200): :func:`_forward` per buffered token on a [K, BV] tile, scalar decays riding in a separate
+  scale (:func:`_forward_scaled`).
+- flush, chunked on tensor cores (:func:`_flush_chunk_kernel`, on the tile ``Sᵀ`` [BV, K];
+  Mamba-2's default):
   Mamba-2 ``S ← g_{−1} S + K_bᵀ (g⊙W)``; GDN (UT form) ``D = (I + L)⁻¹ (W − (β⊙γ) K_b S)``,
   ``L_{ji} = β_j (α_{i+1}⋯α_j) G_{ji}`` (j > i), ``S ← γ_n S + K_bᵀ (g⊙D)`` with γ_j = α_0⋯α_j;
   KDA the same with per-channel decays and the decayed Gram (:func:`_kda_decayed_gram`).
@@ -306,8 +307,8 @@ def _dot_fk(a, b, acc, B_BF16: tl.constexpr, EMULATE: tl.constexpr):
 @triton.jit
 def _dot_ff(a, b, acc, TERMS: tl.constexpr, EMULATE: tl.constexpr):
     """``acc + a @ b`` for two fp32 tiles, each split into ``TERMS`` bf16 terms: the products of
-    terms whose weights sum to at most 2⁻⁸⁽ᵀᴱᴿᴹˢ⁻¹⁾ (3 of them for 2 terms, ~16 bits; 6 for 3,
-    ~fp32 rounding), smallest first."""
+    terms weighing at least 2⁻⁸⁽ᵀᴱᴿᴹˢ⁻¹⁾ (3 of them for 2 terms, ~16 bits; 6 for 3, ~fp32
+    rounding), smallest first."""
     a1, a2, a3 = _split_bf16(a, TERMS)
     b1, b2, b3 = _split_bf16(b, TERMS)
     if TERMS == 3:
@@ -331,9 +332,9 @@ def _gram(kb, A_BF16: tl.constexpr, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _unit_lower_inverse(low, o_c, LOG2_BC: tl.constexpr):
-    """``(I + L)⁻¹`` for a strictly lower- or upper-triangular [BC, BC] ``L`` (nilpotent, ``L^BC = 0``):
-    ``(I − L)(I + L²)(I + L⁴)⋯``, ``log2(BC) − 1`` squarings, 3xTF32 dots."""
+def _unit_triangular_inverse(low, o_c, LOG2_BC: tl.constexpr):
+    """``(I + L)⁻¹`` for a strictly triangular [BC, BC] ``L``, lower or upper (nilpotent,
+    ``L^BC = 0``): ``(I − L)(I + L²)(I + L⁴)⋯``, ``log2(BC) − 1`` squarings, 3xTF32 dots."""
     inv = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0) - low
     pw = low
     for _ in tl.static_range(LOG2_BC - 1):
@@ -714,8 +715,9 @@ def _flush_chunk_kernel(
     gb = (s * G + i_g) * C
     p_s = state + (s * H + i_h) * (K * V) + o_k[None, :] * V + o_v[:, None]
     St = tl.load(p_s, eviction_policy="evict_first")
-    # a product with zero operands puts the tile in the MMA accumulator layout once: every bf16
-    # split below then reaches its product without another trip through shared memory
+    # a product with zero operands puts the tile in the MMA accumulator layout right after the
+    # load (Triton folds the product itself away): every bf16 split below then reaches its product
+    # from registers. Without it the loaded tile went to two layouts, each through shared memory.
     St = tl.dot(tl.zeros((BV, 16), dtype=tl.bfloat16), tl.zeros((16, K), dtype=tl.bfloat16), St)
     kb = tl.load(buf_k + (gb + o_c[:, None]) * K + o_k[None, :], mask=o_c[:, None] < n, other=0.0)
     wt = tl.load(buf_w + (hb + o_c[None, :]) * V + o_v[:, None], mask=o_c[None, :] < n, other=0.0)
@@ -737,7 +739,8 @@ def _flush_chunk_kernel(
         h = _kda_decayed_gram(buf_k, buf_decay, hb, gb, n, o_c, o_k, BC, K)
         low_t = tl.where(upper, bt[None, :] * h, 0.0)  # Lᵀ
         xt = _dot_ff(St, tl.trans(k32 * tl.cumprod(al, 0)), tl.zeros((BV, BC), dtype=tl.float32), 3, EMULATE)
-        dt = tl.dot(wt - xt * bt[None, :], _unit_lower_inverse(low_t, o_c, LOG2_BC), input_precision="tf32x3")
+        inv_t = _unit_triangular_inverse(low_t, o_c, LOG2_BC)  # (I + L)⁻ᵀ
+        dt = tl.dot(wt - xt * bt[None, :], inv_t, input_precision="tf32x3")
         St = _dot_ff(dt, k32 * rho, St * total[None, :], 3, EMULATE)
     else:
         # Mamba-2: S ← g_{−1} S + K_bᵀ (g ⊙ W); GDN (UT form): W replaced by
@@ -753,7 +756,8 @@ def _flush_chunk_kernel(
             low_t = tl.where(upper, (bt[None, :] * ratio_t) * _gram(kb, K_BF16, EMULATE), 0.0)
             xt = _dot_fk(St, tl.trans(kb), tl.zeros((BV, BC), dtype=tl.float32), K_BF16, EMULATE)
             zt = wt - xt * (bt * tl.cumprod(al, 0))[None, :]
-            wt = tl.dot(zt, _unit_lower_inverse(low_t, o_c, LOG2_BC), input_precision="tf32x3")  # Dᵀ
+            inv_t = _unit_triangular_inverse(low_t, o_c, LOG2_BC)  # (I + L)⁻ᵀ
+            wt = tl.dot(zt, inv_t, input_precision="tf32x3")  # Dᵀ
         St = _dot_fk(wt * g[None, :], kb, St * total, K_BF16, EMULATE)
     if HAS_X:
         St = _step_emit(St, q, k, w, decay, beta, skip, out, i_b, i_h, i_g, o_k, o_v, live,
