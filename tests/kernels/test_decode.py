@@ -257,7 +257,6 @@ def test_kernel_gpu(family, op, dtype):
     run_case(family, op, GPU_SHAPES[family], dtype, "cuda", seed=7, real=True)
 
 
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("op", ["flush", "flush_sketch"])
@@ -265,7 +264,7 @@ def test_kernel_gpu(family, op, dtype):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_chunked_flush_gpu(family, shape, op, dtype):
     """The tensor-core flush at the real shapes for every family, whether or not a default uses
-    it: one-warp 16-column tiles and 4-warp 64-column tiles (wgmma), held to 1e-6 like on the CPU."""
+    it: one-warp 16-column tiles and 4-warp 64-column tiles, held to 1e-6 like on the CPU."""
     config = decode.KernelConfig(*shape, chunked=True)
     run_case(family, op, GPU_SHAPES[family], dtype, "cuda", seed=17, real=True, config=config, fp32_tol=1e-6)
 
