@@ -94,6 +94,30 @@ TUNE_CANDIDATES: dict[str, dict[str, list[KernelConfig]]] = {
 }
 
 
+TUNED_KERNELS = ("standard", "replay", "sketch", "flush_replay", "flush_sketch")
+
+
+def parse_config(text: str) -> KernelConfig:
+    """A launch shape from its short form ``BV,WARPS[,sweep|chunked][,vec=N][,cap=N][,group=N]
+    [,rows=N][,late_map]`` (as the tables of BENCHMARKS.md write them; ``cap`` is ``maxnreg`` and
+    ``rows`` is ``dense_rows``), e.g. ``16,1,sweep,vec=2`` or ``64,4,cap=128``."""
+    words = [w.strip() for w in text.split(",") if w.strip()]
+    keys = {"vec": "vec", "cap": "maxnreg", "group": "group", "rows": "dense_rows"}
+    try:
+        bv, warps, *rest = words
+        opts = {keys[k]: int(v) for k, v in (w.split("=", 1) for w in rest if "=" in w)}
+        flags = {w for w in rest if "=" not in w}
+        if flags - {"sweep", "chunked", "late_map"} or {"sweep", "chunked"} <= flags:
+            raise ValueError(flags)
+        return KernelConfig(int(bv), int(warps), chunked="sweep" not in flags,
+                            early_map="late_map" not in flags, **opts)
+    except (ValueError, KeyError) as err:
+        raise SketchcalError(
+            f"launch shape {text!r}: expected BV,WARPS[,sweep|chunked][,vec=N][,cap=N][,group=N]"
+            f"[,rows=N][,late_map] ({err})"
+        ) from None
+
+
 # ----------------------------------------------------------------------------------------------
 # timing
 # ----------------------------------------------------------------------------------------------
@@ -349,6 +373,7 @@ def run_bench(
     anchor: bool = True,
     tune: bool = False,
     configs: dict[str, KernelConfig] | None = None,
+    candidates: dict[str, list[KernelConfig]] | None = None,
     replays: int = 10,
     seed: int = 0,
     _cpu_dry_run: bool = False,
@@ -358,7 +383,9 @@ def run_bench(
     ``rank`` is the mean per-head rank (spread by :func:`rank_spread`; 0 = all heads dense),
     ``window`` the window length L, ``read_dtype`` the read copy's dtype (``bf16`` or ``fp32``),
     ``pools`` the number of state pools rotated through (≥ 4 keeps the L2 cold), ``tune`` tries
-    the launch shapes in ``TUNE_CANDIDATES`` first and keeps the fastest. Returns a JSON-able dict.
+    the launch shapes in ``TUNE_CANDIDATES`` first and keeps the fastest; ``candidates`` (with
+    ``tune``) replaces those lists: only the kernels it names (of ``TUNED_KERNELS``) are tuned, the
+    others keep their default (or ``configs``) shape. Returns a JSON-able dict.
     Raises :class:`SketchcalError` without a CUDA device.
     """
     check_family(family)
@@ -373,6 +400,11 @@ def run_bench(
         raise SketchcalError(f"--read-dtype must be one of {', '.join(READ_DTYPES)}, got {read_dtype!r}")
     if pools < 1 or batch < 1:
         raise SketchcalError("--batch and --pools must be positive")
+    unknown = sorted(set(candidates or {}) - set(TUNED_KERNELS))
+    if unknown or not all((candidates or {"-": [None]}).values()):
+        raise SketchcalError(
+            f"candidates: give a non-empty list per kernel, kernels among {', '.join(TUNED_KERNELS)}"
+        )
     shape = shape or MODEL_SHAPES[family]
     dev = torch.device("cuda" if cuda else "cpu")
     torch.manual_seed(seed)
@@ -463,8 +495,10 @@ def run_bench(
             ("flush_replay", "flush", lambda c: flush_fn(False, c), pools),
             ("flush_sketch", "flush", lambda c: flush_fn(True, c), pools),
         ):
+            if candidates is not None and kernel not in candidates:
+                continue
             seen, trials = set(), []
-            for cand in TUNE_CANDIDATES[kind][family]:
+            for cand in TUNE_CANDIDATES[kind][family] if candidates is None else candidates[kernel]:
                 c = replace(cand, block_v=min(cand.block_v, vd))
                 if c in seen:
                     continue

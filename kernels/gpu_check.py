@@ -9,6 +9,8 @@ Run from the repository root on a CUDA machine (no install needed)::
     python kernels/gpu_check.py oneshot [SECONDS] # one short device call: see :func:`oneshot`
     python kernels/gpu_check.py final             # bench (tuned at 256, then 64 and 512), then every
                                                   # gpu test with the tuned shapes as the defaults
+    python kernels/gpu_check.py probe FAMILY KERNEL SHAPE…   # time launch shapes of one kernel
+                                                  # side by side at batch 256: see :func:`probe`
 
 Logs and ``bench.json`` go to ``$OUT`` (default ``./gpu_out``). The public anchors are used when
 importable: fla 0.6.0 (``fla-core`` wheel) for GDN and KDA, ``mamba_ssm``'s
@@ -112,6 +114,33 @@ def oneshot(budget_s: float = 110.0) -> None:
     print(f"oneshot done at {time.time() - start:.0f}s", flush=True)
 
 
+def probe(family: str, kernel: str, shapes: list[str], batch: int = 256) -> dict:
+    """Time the default launch shape of ``kernel`` (one of ``bench.TUNED_KERNELS``) and ``shapes``
+    (``bench.parse_config``'s short form, e.g. ``64,4,cap=128``) side by side at ``batch``, as the
+    tuning of ``bench`` times its candidates, then the windows with the fastest. Prints one line
+    per shape; writes ``probe_<family>_<kernel>.json`` to ``$OUT``."""
+    from sketchcal.errors import SketchcalError
+    from sketchcal.kernels.bench import TUNED_KERNELS, parse_config, run_bench
+    from sketchcal.kernels.common.decode import default_config
+    from sketchcal.kernels.common.pool import check_family
+
+    check_family(family)
+    if kernel not in TUNED_KERNELS:
+        raise SketchcalError(f"unknown kernel {kernel!r}; expected one of {', '.join(TUNED_KERNELS)}")
+    candidates = [default_config(kernel, family), *(parse_config(s) for s in shapes)]
+    r = run_bench(family, batch, tune=True, anchor=False, candidates={kernel: candidates})
+    for t in r["tuning"][kernel]:
+        shape = {k: v for k, v in t.items() if k != "us"}
+        print(f"{family} {kernel} {t['us']:9.2f} us  {shape}", flush=True)
+    for err in r["tuning"].get("errors", []):
+        print(f"{family} {kernel} failed: {err}", flush=True)
+    s = r["speedups"]
+    print(f"{family} B={batch}: windows with the fastest: replay {s['replay_vs_standard']:.2f}x, "
+          f"sketch {s['sketch_vs_standard']:.2f}x", flush=True)
+    (out_dir() / f"probe_{family}_{kernel}.json").write_text(json.dumps(r, indent=1, default=str))
+    return r
+
+
 def run_benches(
     families: list[str], batches: tuple[int, ...] = (64, 512), deadline: float | None = None
 ) -> list[dict]:
@@ -204,6 +233,17 @@ def main(argv: list[str]) -> int:
     elif what == "final":
         adopt_tuned(run_benches(["gdn", "kda", "mamba2"], deadline=time.time() + 420))
         return int(run_tests())
+    elif what == "probe":
+        if len(argv) < 4:
+            print("usage: gpu_check.py probe FAMILY KERNEL SHAPE [SHAPE ...]", file=sys.stderr)
+            return 2
+        from sketchcal.errors import SketchcalError
+
+        try:
+            probe(argv[1], argv[2], argv[3:])
+        except (SketchcalError, ValueError) as err:  # an unknown family, kernel or launch shape
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     elif what == "oneshot":
         oneshot(float(argv[1]) if len(argv) > 1 else 110.0)
     return 0

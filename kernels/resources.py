@@ -24,7 +24,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from sketchcal.kernels.bench import MODEL_SHAPES
+from sketchcal.kernels.bench import MODEL_SHAPES, parse_config
 from sketchcal.kernels.common import decode as D
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -94,10 +94,7 @@ def report(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True) -
 def main(argv: list[str]) -> None:
     if argv:
         kernel, family, bv, nw, *rest = argv
-        opts = dict(r.split("=") for r in rest if "=" in r)
-        cfg = D.KernelConfig(int(bv), int(nw), chunked="sweep" not in rest, vec=int(opts.get("vec", 0)),
-                             maxnreg=int(opts.get("cap", 0)), group=int(opts.get("group", 0)),
-                             dense_rows=int(opts.get("rows", 0)), early_map="late_map" not in rest)
+        cfg = parse_config(",".join([bv, nw, *(w for w in rest if w != "replay")]))
         print(report(kernel, family, cfg, sketch="replay" not in rest), flush=True)
         return
     for family in ("gdn", "kda", "mamba2"):

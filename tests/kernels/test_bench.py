@@ -1,13 +1,14 @@
 """``sketchcal bench``'s driver, dry-run on the CPU through the Triton interpreter at a tiny shape:
 every tuning candidate launches, the fastest is kept, and speedups are window ratios."""
 
-from dataclasses import astuple, replace
+from dataclasses import asdict, astuple, replace
 from dataclasses import fields as dataclass_fields
 
 import pytest
 
 from sketchcal.errors import SketchcalError
 from sketchcal.kernels import bench
+from sketchcal.kernels.common import decode
 from sketchcal.kernels.common.decode import KernelConfig
 
 V = 32
@@ -42,3 +43,43 @@ def test_tuned_dry_run_tries_every_candidate(family):
 def test_bad_window_is_one_clear_error():
     with pytest.raises(SketchcalError, match="--window"):
         bench.run_bench("gdn", 2, window=1, _cpu_dry_run=True)
+
+
+def test_candidates_tune_only_the_kernels_named():
+    """``candidates`` replaces the tuning lists: only the named kernel is tuned, among exactly the
+    shapes given; the others keep their defaults."""
+    shape = bench.ModelShape("tiny", heads=2, groups=1, key_dim=16, value_dim=V)
+    given = [bench.parse_config("16,1,sweep,vec=2"), bench.parse_config("16,1,chunked")]
+    r = bench.run_bench(
+        "gdn", 2, rank=4, window=3, pools=1, shape=shape, tune=True, anchor=False, replays=1,
+        candidates={"flush_sketch": given}, _cpu_dry_run=True,
+    )
+    assert set(r["tuning"]) == {"flush_sketch"}
+    fields = tuple(f.name for f in dataclass_fields(KernelConfig))
+    assert {tuple(t[f] for f in fields) for t in r["tuning"]["flush_sketch"]} == _distinct(given)
+    assert r["configs"]["sketch"] == asdict(decode.default_config("sketch", "gdn"))
+
+
+@pytest.mark.parametrize("candidates", [{"flush": []}, {"sketch": []}])
+def test_bad_candidates_are_one_clear_error(candidates):
+    with pytest.raises(SketchcalError, match="candidates"):
+        bench.run_bench("gdn", 2, tune=True, candidates=candidates, _cpu_dry_run=True)
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("16,1,sweep,vec=2", KernelConfig(16, 1, chunked=False, vec=2)),
+        ("64,4,cap=128", KernelConfig(64, 4, maxnreg=128)),
+        ("128,1,sweep,cap=64,group=2,rows=16,late_map",
+         KernelConfig(128, 1, chunked=False, maxnreg=64, group=2, dense_rows=16, early_map=False)),
+    ],
+)
+def test_parse_config(text, want):
+    assert bench.parse_config(text) == want
+
+
+@pytest.mark.parametrize("text", ["16", "16,1,bogus", "16,1,sweep,chunked", "16,1,foo=3", "x,1", "48,1"])
+def test_bad_launch_shape_text_is_one_clear_error(text):
+    with pytest.raises(SketchcalError, match="launch shape"):
+        bench.parse_config(text)
