@@ -99,8 +99,8 @@ TUNED_KERNELS = ("standard", "replay", "sketch", "flush_replay", "flush_sketch")
 
 def parse_config(text: str) -> KernelConfig:
     """A launch shape from its short form ``BV,WARPS[,sweep|chunked][,vec=N][,cap=N][,group=N]
-    [,rows=N][,late_map]`` (as the tables of BENCHMARKS.md write them; ``cap`` is ``maxnreg`` and
-    ``rows`` is ``dense_rows``), e.g. ``16,1,sweep,vec=2`` or ``64,4,cap=128``."""
+    [,rows=N][,late_map]``, e.g. ``16,1,sweep,vec=2`` or ``64,4,cap=128``: the fields and names of
+    BENCHMARKS.md's shape tables (``cap`` is ``maxnreg``, ``rows`` is ``dense_rows``)."""
     words = [w.strip() for w in text.split(",") if w.strip()]
     keys = {"vec": "vec", "cap": "maxnreg", "group": "group", "rows": "dense_rows"}
     try:
