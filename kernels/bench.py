@@ -400,8 +400,7 @@ def run_bench(
         raise SketchcalError(f"--read-dtype must be one of {', '.join(READ_DTYPES)}, got {read_dtype!r}")
     if pools < 1 or batch < 1:
         raise SketchcalError("--batch and --pools must be positive")
-    unknown = sorted(set(candidates or {}) - set(TUNED_KERNELS))
-    if unknown or not all((candidates or {"-": [None]}).values()):
+    if candidates is not None and (set(candidates) - set(TUNED_KERNELS) or not all(candidates.values())):
         raise SketchcalError(
             f"candidates: give a non-empty list per kernel, kernels among {', '.join(TUNED_KERNELS)}"
         )
