@@ -60,7 +60,7 @@ def test_candidates_tune_only_the_kernels_named():
     assert r["configs"]["sketch"] == asdict(decode.default_config("sketch", "gdn"))
 
 
-@pytest.mark.parametrize("candidates", [{"flush": []}, {"sketch": []}])
+@pytest.mark.parametrize("candidates", [{"flush": [KernelConfig(16, 1)]}, {"sketch": []}])
 def test_bad_candidates_are_one_clear_error(candidates):
     with pytest.raises(SketchcalError, match="candidates"):
         bench.run_bench("gdn", 2, tune=True, candidates=candidates, _cpu_dry_run=True)
