@@ -35,7 +35,6 @@ from sketchcal.kernels.common.pool import (
     SketchTables,
     allocate_pool,
     check_family,
-    next_pow2,
     random_sketch,
     rank_spread,
 )
@@ -100,22 +99,22 @@ TUNED_KERNELS = ("standard", "replay", "sketch", "flush_replay", "flush_sketch")
 
 def parse_config(text: str) -> KernelConfig:
     """A launch shape from its short form ``BV,WARPS[,sweep|chunked][,vec=N][,cap=N][,group=N]
-    [,rows=N][,late_map][,group_dots]``, e.g. ``16,1,sweep,vec=2`` or ``64,4,cap=128``: the fields
-    and names of BENCHMARKS.md's shape tables (``cap`` is ``maxnreg``, ``rows`` is ``dense_rows``)."""
+    [,rows=N][,late_map]``, e.g. ``16,1,sweep,vec=2`` or ``64,4,cap=128``: the fields and names of
+    BENCHMARKS.md's shape tables (``cap`` is ``maxnreg``, ``rows`` is ``dense_rows``)."""
     words = [w.strip() for w in text.split(",") if w.strip()]
     keys = {"vec": "vec", "cap": "maxnreg", "group": "group", "rows": "dense_rows"}
     try:
         bv, warps, *rest = words
         opts = {keys[k]: int(v) for k, v in (w.split("=", 1) for w in rest if "=" in w)}
         flags = {w for w in rest if "=" not in w}
-        if flags - {"sweep", "chunked", "late_map", "group_dots"} or {"sweep", "chunked"} <= flags:
+        if flags - {"sweep", "chunked", "late_map"} or {"sweep", "chunked"} <= flags:
             raise ValueError(flags)
         return KernelConfig(int(bv), int(warps), chunked="sweep" not in flags,
-                            early_map="late_map" not in flags, group_dots="group_dots" in flags, **opts)
+                            early_map="late_map" not in flags, **opts)
     except (ValueError, KeyError) as err:
         raise SketchcalError(
             f"launch shape {text!r}: expected BV,WARPS[,sweep|chunked][,vec=N][,cap=N][,group=N]"
-            f"[,rows=N][,late_map][,group_dots] ({err})"
+            f"[,rows=N][,late_map] ({err})"
         ) from None
 
 
@@ -449,21 +448,14 @@ def run_bench(
 
         return fn
 
-    # scratch of the reads' group_dots form (k·q per group), allocated once as a server would
-    workspace = torch.empty(batch * g * next_pow2(max(window, 16)), dtype=torch.float32, device=dev)
-
     def steps_fn(sketch: bool, c: KernelConfig) -> Callable[[], None]:
         def fn() -> None:
             for t in range(window - 1):
                 for i, pool in enumerate(plist):
                     if sketch:
-                        decode.sketch_step(
-                            family, pool, tables, slots, pos[t], xs[t], outs[i], config=c, workspace=workspace
-                        )
+                        decode.sketch_step(family, pool, tables, slots, pos[t], xs[t], outs[i], config=c)
                     else:
-                        decode.replay_step(
-                            family, pool, slots, pos[t], xs[t], outs[i], config=c, workspace=workspace
-                        )
+                        decode.replay_step(family, pool, slots, pos[t], xs[t], outs[i], config=c)
 
         return fn
 

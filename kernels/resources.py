@@ -87,7 +87,6 @@ def report(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True) -
     extra += f" group={cfg.group}" if cfg.group else ""
     extra += f" rows={cfg.dense_rows}" if cfg.dense_rows else ""
     extra += "" if cfg.early_map else " late_map"
-    extra += " group_dots" if cfg.group_dots else ""
     return (f"{kernel:8s} {family:6s} {mode:6s} BV={cfg.block_v:<3d} warps={cfg.num_warps} {form:7s}"
             f"{extra:14s} regs={regs:3d} stack={spills:5d}B  occupancy≤{warps}/64 warps")
 

@@ -85,11 +85,7 @@ class KernelConfig:
       sketch heads' branch included.
     - ``early_map`` (sketch reads) loads a head's first 8 coefficient-map rows before the buffer
       sweep, so that their latency overlaps it; False loads them after it, with [8, K] fewer
-      values live during the sweep.
-    - ``group_dots`` (Mamba-2 reads with ``group`` > 0): a small kernel first writes ``k_j·q`` of
-      every buffered token once per group of heads (:func:`_group_dots_kernel`); the read's sweep
-      then scales those scalars (v stays a multiple of q in Mamba-2) instead of reducing over K
-      in every head."""
+      values live during the sweep."""
 
     block_v: int
     num_warps: int
@@ -99,7 +95,6 @@ class KernelConfig:
     group: int = 0
     dense_rows: int = 0
     early_map: bool = True
-    group_dots: bool = False
 
     def __post_init__(self) -> None:
         for name, zero_ok in (("block_v", False), ("num_warps", False), ("dense_rows", True)):
@@ -469,37 +464,15 @@ def _standard_kernel(
 
 
 @triton.jit
-def _group_dots_kernel(
-    slots, pos, q, buf_k, dots,
-    T: tl.constexpr, G: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
-):
-    """``dots[b, g, t, j] = k_j · q_t`` [B, G, T, BC] fp32 for the buffered tokens j < pos[b] of
-    group g (0 past them). Grid: (G, B)."""
-    i_g = tl.program_id(0)
-    i_b = tl.program_id(1)
-    s = tl.load(slots + i_b).to(tl.int64)
-    if s < 0:
-        return
-    p = tl.load(pos + i_b)
-    o_c = tl.arange(0, BC)
-    o_k = tl.arange(0, K)
-    p_k = buf_k + ((s * G + i_g) * C + o_c[:, None]) * K + o_k[None, :]
-    kb = tl.load(p_k, mask=o_c[:, None] < p, other=0.0).to(tl.float32)
-    for t in tl.static_range(T):
-        qq = tl.load(q + ((i_b * T + t) * G + i_g) * K + o_k).to(tl.float32)
-        tl.store(dots + ((i_b * G + i_g) * T + t) * BC + o_c, tl.sum(kb * qq[None, :], axis=1))
-
-
-@triton.jit
 def _read_kernel(
     slots, pos, q, k, w, decay, beta, skip, out,
     buf_k, buf_w, buf_decay, buf_beta,
-    rd, sk, ranks, maps, sk_head_stride, dots,
+    rd, sk, ranks, maps, sk_head_stride,
     T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, M: tl.constexpr,
     FAMILY: tl.constexpr, SKETCH: tl.constexpr, HAS_SKIP: tl.constexpr, K_BF16: tl.constexpr,
     EMULATE: tl.constexpr, CHUNKED: tl.constexpr, GROUP: tl.constexpr, DENSE_ROWS: tl.constexpr,
-    EARLY_MAP: tl.constexpr, GROUP_DOTS: tl.constexpr,
+    EARLY_MAP: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -579,7 +552,6 @@ def _read_kernel(
         else:
             v = tl.load(q + (x_t * G + i_g) * K + o_k).to(tl.float32)
         acc = tl.zeros([BV], dtype=tl.float32)
-        gv = d0 * 0.0 + 1.0  # GROUP_DOTS (Mamba-2): the decay product since q, v = gv q
         # the new tokens t..0, one by one
         for i in tl.static_range(T):
             d = T - 1 - i
@@ -594,23 +566,7 @@ def _read_kernel(
                     )
                 kv, v = _backward(v, kk, dd, bb, FAMILY)
                 acc += kv * ww
-                if GROUP_DOTS:
-                    gv = gv * dd
-        if GROUP_DOTS:
-            # Mamba-2: k_j·v = gv (k_j·q), read from the group's dots; the live tokens p-1..0,
-            # GROUP per iteration, then v = gv q once
-            dots_t = dots + ((i_b * G + i_g) * T + t) * BC
-            gb_ = gv * 0.0 + 1.0  # the buffered tokens' decay product so far
-            for j0 in range(0, p, GROUP):
-                for i in tl.static_range(GROUP):
-                    j = p - 1 - j0 - i
-                    jj = tl.maximum(j, 0)
-                    zj = tl.load(dots_t + jj, mask=j >= 0, other=0.0)
-                    ww = tl.load(buf_w + (hb + jj) * V + o_v, mask=o_v < tl.where(j >= 0, V, 0), other=0.0)
-                    acc += (gv * gb_ * zj) * ww.to(tl.float32)
-                    gb_ = gb_ * tl.load(buf_decay + hb + jj, mask=j >= 0, other=1.0).to(tl.float32)
-            v = v * gb_
-        elif (FAMILY == 2 or not CHUNKED) and GROUP == 0:
+        if (FAMILY == 2 or not CHUNKED) and GROUP == 0:
             # the buffered tokens C-1..0 unrolled, dead ones (≥ p) as identities: every load issues
             # up front (the faster form at ~160 registers; at 64-80 the groups below win)
             for i in tl.static_range(C):
@@ -864,8 +820,7 @@ def _launch_options(cfg: KernelConfig) -> dict:
 def _read_options(cfg: KernelConfig, kd: int) -> dict:
     """The read kernel's constexprs that come from its launch shape."""
     return dict(
-        CHUNKED=cfg.chunked, GROUP=cfg.group, DENSE_ROWS=min(cfg.dense_rows, kd), EARLY_MAP=cfg.early_map,
-        GROUP_DOTS=cfg.group_dots,
+        CHUNKED=cfg.chunked, GROUP=cfg.group, DENSE_ROWS=min(cfg.dense_rows, kd), EARLY_MAP=cfg.early_map
     )
 
 
@@ -944,13 +899,11 @@ def spec_verify(
     *,
     tables: SketchTables | None = None,
     config: KernelConfig | None = None,
-    workspace: Tensor | None = None,
 ) -> Tensor:
     """Outputs of T tokens following the ``pos[b]`` buffered ones, read from the checkpoint's read
     copy (``tables`` None: replay) or its sketch, plus the buffer; no state is materialised or
     written. The T tokens are appended to the buffer at ``pos[b]`` (entries past the capacity are
-    dropped: keep ``pos + T ≤ C``). ``workspace`` (fp32, ≥ B·G·T·BC values) is scratch for
-    ``config.group_dots``; without it one is allocated. Returns ``out`` [B, T, H, V]."""
+    dropped: keep ``pos + T ≤ C``). Returns ``out`` [B, T, H, V]."""
     heads = pool.heads
     b, t, g, kd, vd, h = _dims(family, x, heads)
     sketch = tables is not None
@@ -962,40 +915,18 @@ def spec_verify(
     out = _out(out, x, h, t)
     sk = pool.sketch if sketch else pool.read
     m_rows = tables.map_rows if sketch else 1
-    bc = _buffer_block(pool.capacity)
-    dots = _group_dots(family, cfg, pool, slots, pos, x, bc, workspace)
     _read_kernel[(vd // bv, h, b)](
         slots, pos, x.q, x.k, x.w, x.decay, _beta(x), x.skip if x.skip is not None else x.w, out,
         pool.buf_k, pool.buf_w, pool.buf_decay,
         pool.buf_beta if pool.buf_beta is not None else pool.buf_decay,
         pool.read, sk, tables.ranks if sketch else slots, tables.maps if sketch else pool.buf_decay,
-        sk.shape[2] * sk.shape[3], dots if dots is not None else pool.buf_decay,
-        T=t, H=h, G=g, K=kd, V=vd, BV=bv, C=pool.capacity, BC=bc,
+        sk.shape[2] * sk.shape[3],
+        T=t, H=h, G=g, K=kd, V=vd, BV=bv, C=pool.capacity, BC=_buffer_block(pool.capacity),
         M=m_rows, FAMILY=FAMILY_ID[family], SKETCH=sketch,
         HAS_SKIP=x.skip is not None, K_BF16=_keys_bf16(pool), EMULATE=_interpreting(),
         **_read_options(cfg, kd), **_launch_options(cfg),
     )
     return out
-
-
-def _group_dots(
-    family: str, cfg: KernelConfig, pool: DecodePool, slots: Tensor, pos: Tensor, x: StepInputs, bc: int,
-    workspace: Tensor | None,
-) -> Tensor | None:
-    """With ``cfg.group_dots``: launch :func:`_group_dots_kernel` into ``workspace`` (at least
-    B·G·T·BC fp32 values; allocated when None) and return it; else None."""
-    if not cfg.group_dots:
-        return None
-    if family != "mamba2" or cfg.chunked or cfg.group < 1:
-        raise ValueError("KernelConfig.group_dots is for Mamba-2's token-by-token reads with group > 0")
-    b, t, g, kd = x.k.shape
-    need = b * g * t * bc
-    if workspace is None:
-        workspace = torch.empty(need, dtype=torch.float32, device=x.k.device)
-    elif workspace.dtype != torch.float32 or workspace.numel() < need or not workspace.is_contiguous():
-        raise ValueError(f"workspace must be a contiguous float32 tensor of at least {need} values")
-    _group_dots_kernel[(g, b)](slots, pos, x.q, pool.buf_k, workspace, T=t, G=g, K=kd, C=pool.capacity, BC=bc)
-    return workspace
 
 
 def replay_step(
@@ -1007,10 +938,9 @@ def replay_step(
     out: Tensor | None = None,
     *,
     config: KernelConfig | None = None,
-    workspace: Tensor | None = None,
 ) -> Tensor:
     """ReplaySSM non-flush step (T = 1): read copy + buffer; no state write."""
-    return spec_verify(family, pool, slots, pos, x, out, config=config, workspace=workspace)
+    return spec_verify(family, pool, slots, pos, x, out, config=config)
 
 
 def sketch_step(
@@ -1023,11 +953,10 @@ def sketch_step(
     out: Tensor | None = None,
     *,
     config: KernelConfig | None = None,
-    workspace: Tensor | None = None,
 ) -> Tensor:
     """SketchSSM non-flush step (T = 1): sketch rows + buffer + coefficient map; dense (rank-0)
     heads read the full read copy."""
-    return spec_verify(family, pool, slots, pos, x, out, tables=tables, config=config, workspace=workspace)
+    return spec_verify(family, pool, slots, pos, x, out, tables=tables, config=config)
 
 
 def flush(

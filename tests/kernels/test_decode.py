@@ -131,33 +131,6 @@ def test_grouped_read_sweep_cpu(family, op, group):
     run_case(family, op, CPU_SHAPES[family][1], "fp32", "cpu", seed=6 + group, config=config)
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
-@pytest.mark.parametrize("group", [1, 4])
-@pytest.mark.parametrize("op", ["replay", "sketch", "spec", "spec_sketch"])
-def test_group_dots_read_cpu(op, group, dtype):
-    """Mamba-2 reads from the buffered tokens' k·q written once per group of heads
-    (``KernelConfig.group_dots``): 1-3 new tokens, buffers of 0..capacity tokens, two heads per
-    group."""
-    config = decode.KernelConfig(16, 1, chunked=False, group=group, group_dots=True)
-    run_case("mamba2", op, CPU_SHAPES["mamba2"][0], dtype, "cpu", seed=18 + group, config=config)
-
-
-def test_group_dots_refusals():
-    h, g, kd, vd = CPU_SHAPES["mamba2"][0]
-    pool = random_pool("mamba2", 2, h, g, kd, vd, capacity=4)
-    x = random_inputs("mamba2", 2, 1, h, g, kd, vd)
-    slots, pos = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([2, 3], dtype=torch.int32)
-    dots = decode.KernelConfig(16, 1, chunked=False, group=2, group_dots=True)
-    with pytest.raises(ValueError, match="workspace"):
-        decode.replay_step("mamba2", pool, slots, pos, x, config=dots, workspace=torch.empty(3))
-    for family, config in (("gdn", dots), ("mamba2", replace(dots, group=0))):
-        h, g, kd, vd = CPU_SHAPES[family][0]
-        pool = random_pool(family, 2, h, g, kd, vd, capacity=4)
-        x = random_inputs(family, 2, 1, h, g, kd, vd)
-        with pytest.raises(ValueError, match="group_dots"):
-            decode.replay_step(family, pool, slots, pos, x, config=config)
-
-
 @pytest.mark.parametrize("early_map", [True, False])
 @pytest.mark.parametrize("op", ["sketch", "spec_sketch"])
 @pytest.mark.parametrize("family", FAMILIES)
