@@ -212,29 +212,39 @@ def _forward_scaled(S, c, kk, ww, dd, bb, FAMILY: tl.constexpr):
 
 
 @triton.jit
-def _backward(v, kk, dd, bb, FAMILY: tl.constexpr):
-    """``(k · v, Aᵀ v)`` for a [K] vector: the coefficient of this token's w in the read, and
-    the query pushed one token further back."""
+def _backward(v, c, kk, dd, bb, FAMILY: tl.constexpr):
+    """One token of a read's backward sweep on the query, held as ``c v̂`` ([K] vector, scalar
+    scale): returns ``k · (c v̂)`` (the coefficient of this token's w in the read) and the query
+    pushed one token further back, as (v̂, c).
+
+    A scalar decay (Mamba-2, GDN) only multiplies the scale: ``(v − β (k·v) k) d = c d (v̂ −
+    β (k·v̂) k)``, one multiply per token instead of one per element. KDA's per-channel decay goes
+    into v̂ (c stays 1)."""
     kv = tl.sum(kk * v, axis=0)
-    if FAMILY == 0:  # noqa: SIM108
-        v = v * dd
+    if FAMILY == 0:
+        c_next = c * dd
+    elif FAMILY == 1:
+        v = v - (bb * kv) * kk
+        c_next = c * dd
     else:
         v = (v - (bb * kv) * kk) * dd
-    return kv, v
+        c_next = c
+    return kv * c, v, c_next
 
 
 @triton.jit
 def _sweep_buffered(
-    v, acc, buf_k, buf_w, buf_decay, buf_beta, hb, gb, j, live, o_k, o_v,
+    v, c, acc, k_g, w_h, decay_h, beta_h, j, live, o_k, o_v,
     K: tl.constexpr, V: tl.constexpr, FAMILY: tl.constexpr,
 ):
-    """One buffered token ``j`` of a read's backward sweep (``live`` False: the identity): returns
-    the query pushed past it and ``acc`` plus its w's share of the output."""
-    kk, ww, dd, bb = _load_token(
-        buf_k, buf_w, buf_decay, buf_beta, (gb + j) * K, (hb + j) * V, hb + j, o_k, o_v, live, K, V, FAMILY,
-    )
-    kv, v = _backward(v, kk, dd, bb, FAMILY)
-    return v, acc + kv * ww
+    """One buffered token ``j`` of a read's backward sweep (``live`` False: the identity) on the
+    query ``c v̂`` (see :func:`_backward`): returns it pushed past the token, and ``acc`` plus the
+    token's w's share of the output. ``k_g``, ``w_h``, ``decay_h``, ``beta_h`` point at entry 0 of
+    this group's / head's buffer, so a token costs a 32-bit offset per pointer rather than 64-bit
+    address arithmetic."""
+    kk, ww, dd, bb = _load_token(k_g, w_h, decay_h, beta_h, j * K, j * V, j, o_k, o_v, live, K, V, FAMILY)
+    kv, v, c = _backward(v, c, kk, dd, bb, FAMILY)
+    return v, c, acc + kv * ww
 
 
 @triton.jit
@@ -536,6 +546,12 @@ def _read_kernel(
                 mk = o_k < tl.where(ok, K, 0)
                 tl.store(buf_k + (gb + jw) * K + o_k, k_new.to(buf_k.dtype.element_ty), mask=mk)
     rd_h = rd + (s * H + i_h) * (K * V)
+    # entry 0 of this group's / head's buffer (the sweeps add 32-bit token offsets)
+    DS: tl.constexpr = K if FAMILY == 2 else 1  # decay entries per token
+    k_g = buf_k + gb * K
+    w_h = buf_w + hb * V
+    decay_h = buf_decay + hb * DS
+    beta_h = buf_beta + hb
     o_c = tl.arange(0, BC)
     if FAMILY != 2 and CHUNKED:
         # the buffered tokens j < p, loaded once as tiles; everything but K_b q is shared by the
@@ -552,6 +568,7 @@ def _read_kernel(
         else:
             v = tl.load(q + (x_t * G + i_g) * K + o_k).to(tl.float32)
         acc = tl.zeros([BV], dtype=tl.float32)
+        c = tl.full([], 1.0, tl.float32)  # the query is c v (_backward)
         # the new tokens t..0, one by one
         for i in tl.static_range(T):
             d = T - 1 - i
@@ -564,27 +581,32 @@ def _read_kernel(
                         k, w, decay, beta, (x_d * G + i_g) * K, (x_d * H + i_h) * V, x_d * H + i_h,
                         o_k, o_v, live, K, V, FAMILY,
                     )
-                kv, v = _backward(v, kk, dd, bb, FAMILY)
+                kv, v, c = _backward(v, c, kk, dd, bb, FAMILY)
                 acc += kv * ww
         if (FAMILY == 2 or not CHUNKED) and GROUP == 0:
             # the buffered tokens C-1..0 unrolled, dead ones (≥ p) as identities: every load issues
             # up front (the faster form at ~160 registers; at 64-80 the groups below win)
             for i in tl.static_range(C):
                 j = C - 1 - i
-                v, acc = _sweep_buffered(
-                    v, acc, buf_k, buf_w, buf_decay, buf_beta, hb, gb, j, j < p, o_k, o_v, K, V, FAMILY,
+                v, c, acc = _sweep_buffered(
+                    v, c, acc, k_g, w_h, decay_h, beta_h, j, j < p, o_k, o_v, K, V, FAMILY,
                 )
         elif FAMILY == 2 or not CHUNKED:
-            # the live tokens p-1..0, GROUP per iteration (the group's loads issue together); the
-            # last group runs past token 0 with identities
+            # the live tokens p-1..0, GROUP per iteration (the group's loads issue together). The
+            # pointers step back GROUP tokens per iteration, so a group's tokens sit at constant
+            # offsets from them. The last group runs past token 0 with identities (masked loads:
+            # their addresses are never dereferenced).
+            k_j, w_j = k_g + (p - 1) * K, w_h + (p - 1) * V
+            decay_j, beta_j = decay_h + (p - 1) * DS, beta_h + (p - 1)
             for j0 in range(0, p, GROUP):
                 for i in tl.static_range(GROUP):
-                    j = p - 1 - j0 - i
-                    v, acc = _sweep_buffered(
-                        v, acc, buf_k, buf_w, buf_decay, buf_beta, hb, gb, tl.maximum(j, 0), j >= 0,
-                        o_k, o_v, K, V, FAMILY,
+                    v, c, acc = _sweep_buffered(
+                        v, c, acc, k_j, w_j, decay_j, beta_j, -i, i < p - j0, o_k, o_v, K, V, FAMILY,
                     )
+                k_j, w_j = k_j - GROUP * K, w_j - GROUP * V
+                decay_j, beta_j = decay_j - GROUP * DS, beta_j - GROUP
         else:
+            v = v * c  # the closed form takes the query itself; its scale is the window's decay
             z = tl.sum(kb.to(tl.float32) * v[None, :], axis=1)  # K_b q
             if FAMILY == 1:
                 for i in range(0, p):
@@ -594,9 +616,9 @@ def _read_kernel(
                     z = z - col * z_j  # rows < j only: z_j itself is final
                 v = v - tl.sum((bt * z)[:, None] * kb.to(tl.float32), axis=0)
             acc += tl.sum((g * z)[:, None] * wb, axis=0)
-            v = v * total
+            c = total
         o = acc + _checkpoint_read(
-            v, rd_h, sk_h, m, pm0, st0, maps, i_h, o_k, o_v, K, V, M, SKETCH, DENSE_ROWS, EARLY_MAP,
+            v * c, rd_h, sk_h, m, pm0, st0, maps, i_h, o_k, o_v, K, V, M, SKETCH, DENSE_ROWS, EARLY_MAP,
         )
         if HAS_SKIP:
             o += tl.load(skip + (x_t * H + i_h) * V + o_v).to(tl.float32)
