@@ -239,9 +239,10 @@ def _sweep_buffered(
 ):
     """One buffered token ``j`` of a read's backward sweep (``live`` False: the identity) on the
     query ``c v̂`` (see :func:`_backward`): returns it pushed past the token, and ``acc`` plus the
-    token's w's share of the output. ``k_g``, ``w_h``, ``decay_h``, ``beta_h`` point at entry 0 of
-    this group's / head's buffer, so a token costs a 32-bit offset per pointer rather than 64-bit
-    address arithmetic."""
+    token's w's share of the output. ``k_g``, ``w_h``, ``decay_h``, ``beta_h`` point at the entry
+    of this group's / head's buffer that ``j`` counts from (entry 0, or a group's newest token with
+    ``j`` ≤ 0), so a token costs a 32-bit offset per pointer rather than 64-bit address
+    arithmetic."""
     kk, ww, dd, bb = _load_token(k_g, w_h, decay_h, beta_h, j * K, j * V, j, o_k, o_v, live, K, V, FAMILY)
     kv, v, c = _backward(v, c, kk, dd, bb, FAMILY)
     return v, c, acc + kv * ww
