@@ -5,6 +5,8 @@ Run from the repository root with the package installed (``pip install -e .``)::
     python kernels/resources.py                 # every kernel, default launch shapes, sm_90
     python kernels/resources.py read gdn 64 1 sweep   # one build: kernel family BV warps [sweep] [replay]
                                                       # [vec=N] [cap=N] [group=N] [rows=N] [late_map]
+    python kernels/resources.py check           # compile every default and tuning candidate, both
+                                                # modes, 1 and 3 tokens; exit 1 if any fails
 
 Prints one line per build: kernel, family, mode, launch shape, registers per thread, stack
 bytes (spills), and the occupancy those registers allow (warps per SM out of 64, from the 64 K-register
@@ -44,17 +46,18 @@ def _compile(fn, consts: dict, cfg: D.KernelConfig):
                           options=D._launch_options(cfg))
 
 
-def build(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True):
-    """Compile one kernel at the benchmark shape of ``family``; returns Triton's compiled kernel."""
+def build(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True, tokens: int = 1):
+    """Compile one kernel at the benchmark shape of ``family``; returns Triton's compiled kernel.
+    ``tokens`` > 1: the standard step or read over that many tokens (``spec_verify``)."""
     s = MODEL_SHAPES[family]
     fam = D.FAMILY_ID[family]
     bv = min(cfg.block_v, s.value_dim)
     common = dict(H=s.heads, G=s.groups, K=s.key_dim, V=s.value_dim, BV=bv, FAMILY=fam,
                   HAS_SKIP=family == "mamba2")
     if kernel == "standard":
-        return _compile(D._standard_kernel, dict(T=1, **common), cfg)
+        return _compile(D._standard_kernel, dict(T=tokens, **common), cfg)
     if kernel == "read":
-        consts = dict(T=1, C=16, BC=16, M=32, SKETCH=sketch, K_BF16=True, EMULATE=False,
+        consts = dict(T=tokens, C=16, BC=16, M=32, SKETCH=sketch, K_BF16=True, EMULATE=False,
                       **D._read_options(cfg, s.key_dim), **common)
         return _compile(D._read_kernel, consts, cfg)
     consts = dict(C=16, HAS_X=True, HAS_READ=True, ROWS=sketch, SKETCH_OUT=sketch, **common)
@@ -91,7 +94,49 @@ def report(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True) -
             f"{extra:14s} regs={regs:3d} stack={spills:5d}B  occupancy≤{warps}/64 warps")
 
 
+def builds() -> list[tuple[str, str, D.KernelConfig, bool, int]]:
+    """Every launch the package can make at the benchmark shapes, without repeats: (kernel, family,
+    config, sketch mode, tokens). The defaults and every tuning candidate, in both modes; the reads
+    and the standard step also over 3 tokens, as ``spec_verify`` runs them."""
+    from sketchcal.kernels.bench import TUNE_CANDIDATES
+
+    out: list[tuple[str, str, D.KernelConfig, bool, int]] = []
+    for family in ("gdn", "kda", "mamba2"):
+        for tokens in (1, 3):
+            for cfg in {D.default_config("standard", family), *TUNE_CANDIDATES["standard"][family]}:
+                out.append(("standard", family, cfg, False, tokens))
+            for sketch in (False, True):
+                mode = "sketch" if sketch else "replay"
+                for cfg in {D.default_config(mode, family), *TUNE_CANDIDATES[mode][family]}:
+                    out.append(("read", family, cfg, sketch, tokens))
+        for sketch in (False, True):
+            kind = "flush_sketch" if sketch else "flush_replay"
+            for cfg in {D.default_config(kind, family), *TUNE_CANDIDATES["flush"][family]}:
+                out.append(("flush", family, cfg, sketch, 1))
+    return out
+
+
+def check() -> int:
+    """Compile everything :func:`builds` lists; print one line per failure; the number failed. This
+    catches what the CPU interpreter lets through (a constexpr assigned twice, a type only the
+    compiler checks) without a GPU."""
+    failed = 0
+    for kernel, family, cfg, sketch, tokens in builds():
+        try:
+            build(kernel, family, cfg, sketch, tokens)
+        except Exception as e:  # report every failing build, then exit non-zero
+            failed += 1
+            first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            mode = "sketch" if sketch else "replay"
+            print(f"FAILED {kernel} {family} {mode} tokens={tokens} {cfg}: {type(e).__name__}: {first}",
+                  flush=True)
+    print(f"{len(builds()) - failed} of {len(builds())} builds compiled", flush=True)
+    return failed
+
+
 def main(argv: list[str]) -> None:
+    if argv == ["check"]:
+        sys.exit(1 if check() else 0)
     if argv:
         kernel, family, bv, nw, *rest = argv
         cfg = parse_config(",".join([bv, nw, *(w for w in rest if w != "replay")]))
