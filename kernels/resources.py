@@ -120,8 +120,9 @@ def check() -> int:
     """Compile everything :func:`builds` lists; print one line per failure; the number failed. This
     catches what the CPU interpreter lets through (a constexpr assigned twice, a type only the
     compiler checks) without a GPU."""
+    todo = builds()
     failed = 0
-    for kernel, family, cfg, sketch, tokens in builds():
+    for kernel, family, cfg, sketch, tokens in todo:
         try:
             build(kernel, family, cfg, sketch, tokens)
         except Exception as e:  # report every failing build, then exit non-zero
@@ -130,7 +131,7 @@ def check() -> int:
             mode = "sketch" if sketch else "replay"
             print(f"FAILED {kernel} {family} {mode} tokens={tokens} {cfg}: {type(e).__name__}: {first}",
                   flush=True)
-    print(f"{len(builds()) - failed} of {len(builds())} builds compiled", flush=True)
+    print(f"{len(todo) - failed} of {len(todo)} builds compiled", flush=True)
     return failed
 
 
