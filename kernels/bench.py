@@ -89,7 +89,7 @@ TUNE_CANDIDATES: dict[str, dict[str, list[KernelConfig]]] = {
         # resident warps), and the token-by-token sweeps
         "mamba2": [_K(64, 4), _K(64, 4, maxnreg=128), _K(64, 4, maxnreg=120), _K(16, 1, False, 2, 96)],
         "gdn": [_K(64, 4, maxnreg=168), _K(16, 1, False, 4), _K(16, 1, False, 2)],
-        "kda": [_K(16, 1, False, 4), _K(16, 1, False, 2), _K(32, 2, False, 4)],
+        "kda": [_K(16, 1, False, 4, 128), _K(16, 1, False, 2), _K(32, 2, False, 4)],
     },
 }
 

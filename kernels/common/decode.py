@@ -126,10 +126,10 @@ DEFAULT_CONFIGS: dict[tuple[str, str], KernelConfig] = {
     ("sketch", "kda"): KernelConfig(128, 1, maxnreg=72, group=3, dense_rows=16, early_map=False),
     ("flush_replay", "mamba2"): KernelConfig(64, 4, maxnreg=128),
     ("flush_replay", "gdn"): KernelConfig(16, 1, chunked=False, vec=2),
-    ("flush_replay", "kda"): KernelConfig(16, 1, chunked=False, vec=4),
+    ("flush_replay", "kda"): KernelConfig(16, 1, chunked=False, vec=4, maxnreg=128),
     ("flush_sketch", "mamba2"): KernelConfig(64, 4, maxnreg=128),
     ("flush_sketch", "gdn"): KernelConfig(16, 1, chunked=False, vec=2),
-    ("flush_sketch", "kda"): KernelConfig(32, 2, chunked=False, vec=4),
+    ("flush_sketch", "kda"): KernelConfig(16, 1, chunked=False, vec=4, maxnreg=128),
 }
 
 CHUNK_MIN = 16  # tl.dot needs at least 16 rows/columns: buffer tiles are padded to this
