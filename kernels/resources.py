@@ -39,11 +39,12 @@ PTR = {
 
 
 def _compile(fn, consts: dict, cfg: D.KernelConfig):
+    consts = dict(consts, PDL=True)  # as launched on a Hopper device: programmatic dependent launch
     sig = {n: "constexpr" if n in consts else PTR.get(n, "*fp32") for n in fn.arg_names}
     # as at a real launch: every pointer (torch allocations) and the strides are 16-divisible
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in consts}
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=TARGET,
-                          options=D._launch_options(cfg))
+                          options=dict(D._launch_options(cfg), launch_pdl=True))
 
 
 def build(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True, tokens: int = 1):

@@ -52,6 +52,7 @@ from two-term splits (~16 bits, below the bf16 store's rounding).
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -59,6 +60,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from sketchcal.kernels.common.pool import DecodePool, SketchTables, check_family, next_pow2
 from sketchcal.kernels.common.recurrence import StepInputs
@@ -444,6 +446,18 @@ def _kda_decayed_gram(buf_k, buf_decay, hb, gb, n, o_c, o_k, BC: tl.constexpr, K
     return h
 
 
+@triton.jit
+def _dependent_launch(PDL: tl.constexpr):
+    """Programmatic dependent launch (``PDL``, Hopper and later): wait until the previous kernel
+    in the stream has finished and its writes are visible, then let the next one launch. Its
+    programs then become resident while this kernel's last ones run, and wait here in turn: the
+    launch gap between consecutive decode kernels is hidden. First thing in every kernel, before
+    any load: every input may come from the kernel before."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
 # ----------------------------------------------------------------------------------------------
 # Kernels. Grid: (V // BV, H, B).
 # ----------------------------------------------------------------------------------------------
@@ -453,8 +467,9 @@ def _kda_decayed_gram(buf_k, buf_decay, hb, gb, n, o_c, o_k, BC: tl.constexpr, K
 def _standard_kernel(
     state, slots, q, k, w, decay, beta, skip, out,
     T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BV: tl.constexpr, FAMILY: tl.constexpr, HAS_SKIP: tl.constexpr,
+    BV: tl.constexpr, FAMILY: tl.constexpr, HAS_SKIP: tl.constexpr, PDL: tl.constexpr,
 ):
+    _dependent_launch(PDL)
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
     i_b = tl.program_id(2)
@@ -483,8 +498,9 @@ def _read_kernel(
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, M: tl.constexpr,
     FAMILY: tl.constexpr, SKETCH: tl.constexpr, HAS_SKIP: tl.constexpr, K_BF16: tl.constexpr,
     EMULATE: tl.constexpr, CHUNKED: tl.constexpr, GROUP: tl.constexpr, DENSE_ROWS: tl.constexpr,
-    EARLY_MAP: tl.constexpr,
+    EARLY_MAP: tl.constexpr, PDL: tl.constexpr,
 ):
+    _dependent_launch(PDL)
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
     i_b = tl.program_id(2)
@@ -646,9 +662,10 @@ def _flush_kernel(
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     C: tl.constexpr, FAMILY: tl.constexpr,
     HAS_X: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_READ: tl.constexpr, ROWS: tl.constexpr,
-    SKETCH_OUT: tl.constexpr, VEC: tl.constexpr,
+    SKETCH_OUT: tl.constexpr, VEC: tl.constexpr, PDL: tl.constexpr,
 ):
     """The token-by-token flush on [K, BV] tiles of S (any family)."""
+    _dependent_launch(PDL)
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
     i_b = tl.program_id(2)
@@ -717,11 +734,12 @@ def _flush_chunk_kernel(
     C: tl.constexpr, BC: tl.constexpr, LOG2_BC: tl.constexpr, FAMILY: tl.constexpr,
     HAS_X: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_READ: tl.constexpr, ROWS: tl.constexpr,
     SKETCH_OUT: tl.constexpr, K_BF16: tl.constexpr, SKETCH_TERMS: tl.constexpr,
-    EMULATE: tl.constexpr,
+    EMULATE: tl.constexpr, PDL: tl.constexpr,
 ):
     """The chunked flush on tensor cores. The tile is ``Sᵀ`` [BV, K]: it is the accumulator of the
     update and, split into bf16 terms, the left operand of every product, so it never leaves the
     MMA register layout; the keys and R rows are the right operands."""
+    _dependent_launch(PDL)
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
     i_b = tl.program_id(2)
@@ -835,9 +853,25 @@ def _dims(family: str, x: StepInputs, heads: int) -> tuple[int, int, int, int, i
     return b, t, g, kd, vd, heads
 
 
-def _launch_options(cfg: KernelConfig) -> dict:
-    """Triton launch (and compile) options of a launch shape."""
-    return {"num_warps": cfg.num_warps, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})}
+# Programmatic dependent launch of the decode kernels on Hopper and later (see _dependent_launch);
+# False launches them plainly (the comparison in BENCHMARKS.md).
+USE_PDL = True
+
+
+@functools.cache
+def _pdl_device(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def _launch_options(cfg: KernelConfig, device: torch.device | None = None) -> dict:
+    """Triton launch (and compile) options of a launch shape; with ``device``, also the ``PDL``
+    constexpr and its launch option."""
+    opts = {"num_warps": cfg.num_warps, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {})}
+    if device is not None:
+        pdl = USE_PDL and device.type == "cuda" and not _interpreting()
+        pdl = pdl and _pdl_device(torch.cuda.current_device() if device.index is None else device.index)
+        opts.update(PDL=pdl, **({"launch_pdl": True} if pdl else {}))
+    return opts
 
 
 def _read_options(cfg: KernelConfig, kd: int) -> dict:
@@ -907,7 +941,7 @@ def standard_step(
     _standard_kernel[(vd // bv, h, b)](
         state, slots, x.q, x.k, x.w, x.decay, _beta(x), x.skip if x.skip is not None else x.w, out,
         T=t, H=h, G=g, K=kd, V=vd, BV=bv, FAMILY=FAMILY_ID[family], HAS_SKIP=x.skip is not None,
-        **_launch_options(cfg),
+        **_launch_options(cfg, state.device),
     )
     return out
 
@@ -947,7 +981,7 @@ def spec_verify(
         T=t, H=h, G=g, K=kd, V=vd, BV=bv, C=pool.capacity, BC=_buffer_block(pool.capacity),
         M=m_rows, FAMILY=FAMILY_ID[family], SKETCH=sketch,
         HAS_SKIP=x.skip is not None, K_BF16=_keys_bf16(pool), EMULATE=_interpreting(),
-        **_read_options(cfg, kd), **_launch_options(cfg),
+        **_read_options(cfg, kd), **_launch_options(cfg, pool.state.device),
     )
     return out
 
@@ -1026,7 +1060,7 @@ def flush(
     common = dict(
         H=heads, G=g, K=kd, V=vd, BV=bv, C=pool.capacity, FAMILY=FAMILY_ID[family], HAS_X=x is not None,
         HAS_SKIP=x is not None and x.skip is not None, HAS_READ=pool.read is not None, ROWS=sketch,
-        SKETCH_OUT=sketch, **_launch_options(cfg),
+        SKETCH_OUT=sketch, **_launch_options(cfg, pool.state.device),
     )
     grid = (vd // bv, heads, b)
     if cfg.chunked:
