@@ -123,7 +123,7 @@ DEFAULT_CONFIGS: dict[tuple[str, str], KernelConfig] = {
         64, 1, chunked=False, maxnreg=64, group=8, dense_rows=16, early_map=False
     ),
     ("sketch", "gdn"): KernelConfig(
-        128, 1, chunked=False, maxnreg=64, group=2, dense_rows=16, early_map=False
+        128, 1, chunked=False, maxnreg=64, group=6, dense_rows=16, early_map=False
     ),
     ("sketch", "kda"): KernelConfig(128, 1, maxnreg=72, group=3, dense_rows=16, early_map=False),
     ("flush_replay", "mamba2"): KernelConfig(64, 4, maxnreg=128),
