@@ -88,7 +88,8 @@ TUNE_CANDIDATES: dict[str, dict[str, list[KernelConfig]]] = {
         # the chunked (tensor-core) flush on Sᵀ tiles (a register cap trades a few spills for more
         # resident warps), and the token-by-token sweeps
         "mamba2": [_K(64, 4), _K(64, 4, maxnreg=128), _K(64, 4, maxnreg=120), _K(16, 1, False, 2, 96)],
-        "gdn": [_K(64, 4, maxnreg=168), _K(16, 1, False, 4), _K(16, 1, False, 2)],
+        "gdn": [_K(64, 4, maxnreg=168), _K(16, 1, False, 4), _K(16, 1, False, 2),
+                _K(16, 1, False, 2, prefetch=True)],
         "kda": [_K(16, 1, False, 4, 128), _K(16, 1, False, 2), _K(32, 2, False, 4)],
     },
 }
@@ -99,22 +100,23 @@ TUNED_KERNELS = ("standard", "replay", "sketch", "flush_replay", "flush_sketch")
 
 def parse_config(text: str) -> KernelConfig:
     """A launch shape from its short form ``BV,WARPS[,sweep|chunked][,vec=N][,cap=N][,group=N]
-    [,rows=N][,late_map]``, e.g. ``16,1,sweep,vec=2`` or ``64,4,cap=128``: the fields and names of
-    BENCHMARKS.md's shape tables (``cap`` is ``maxnreg``, ``rows`` is ``dense_rows``)."""
+    [,rows=N][,late_map][,prefetch]``, e.g. ``16,1,sweep,vec=2`` or ``64,4,cap=128``: the fields
+    and names of BENCHMARKS.md's shape tables (``cap`` is ``maxnreg``, ``rows`` is
+    ``dense_rows``)."""
     words = [w.strip() for w in text.split(",") if w.strip()]
     keys = {"vec": "vec", "cap": "maxnreg", "group": "group", "rows": "dense_rows"}
     try:
         bv, warps, *rest = words
         opts = {keys[k]: int(v) for k, v in (w.split("=", 1) for w in rest if "=" in w)}
         flags = {w for w in rest if "=" not in w}
-        if flags - {"sweep", "chunked", "late_map"} or {"sweep", "chunked"} <= flags:
+        if flags - {"sweep", "chunked", "late_map", "prefetch"} or {"sweep", "chunked"} <= flags:
             raise ValueError(flags)
         return KernelConfig(int(bv), int(warps), chunked="sweep" not in flags,
-                            early_map="late_map" not in flags, **opts)
+                            early_map="late_map" not in flags, prefetch="prefetch" in flags, **opts)
     except (ValueError, KeyError) as err:
         raise SketchcalError(
             f"launch shape {text!r}: expected BV,WARPS[,sweep|chunked][,vec=N][,cap=N][,group=N]"
-            f"[,rows=N][,late_map] ({err})"
+            f"[,rows=N][,late_map][,prefetch] ({err})"
         ) from None
 
 

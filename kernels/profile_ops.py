@@ -9,7 +9,7 @@ Run from the repository root on a CUDA machine, under Nsight Compute for example
 ``sketch_flush``. The window kernels run with ``pos`` = 8 buffered tokens (a mid-window step);
 the flushes with 15. Each op is launched three times (the first compiles), with the default
 launch shape except for the fields the options give (``--block-v``, ``--warps``, ``--form``,
-``--vec``, ``--maxnreg``, ``--group``, ``--dense-rows``, ``--map``).
+``--vec``, ``--maxnreg``, ``--group``, ``--dense-rows``, ``--map``, ``--prefetch``).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--group", type=int, help="reads: live tokens per sweep iteration (0: all unrolled)")
     ap.add_argument("--dense-rows", type=int, help="reads: read-copy rows per dense-read iteration (0: all)")
     ap.add_argument("--map", choices=["early", "late"], help="sketch reads: map rows before/after the sweep")
+    ap.add_argument("--prefetch", choices=["on", "off"], help="token-by-token flush: window into L2 first")
     args = ap.parse_args()
     bootstrap()
     import torch
@@ -60,7 +61,8 @@ def main() -> None:
     given = dict(block_v=args.block_v, num_warps=args.warps, vec=args.vec, maxnreg=args.maxnreg,
                  group=args.group, dense_rows=args.dense_rows,
                  chunked=None if args.form is None else args.form == "chunked",
-                 early_map=None if args.map is None else args.map == "early")
+                 early_map=None if args.map is None else args.map == "early",
+                 prefetch=None if args.prefetch is None else args.prefetch == "on")
     cfg = replace(base, **{k: v for k, v in given.items() if v is not None})  # the default, as overridden
     pos = torch.full((b,), 15 if "flush" in args.op else 8, dtype=torch.int32, device="cuda")
     for _ in range(3):

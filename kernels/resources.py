@@ -5,6 +5,7 @@ Run from the repository root with the package installed (``pip install -e .``)::
     python kernels/resources.py                 # every kernel, default launch shapes, sm_90
     python kernels/resources.py read gdn 64 1 sweep   # one build: kernel family BV warps [sweep] [replay]
                                                       # [vec=N] [cap=N] [group=N] [rows=N] [late_map]
+                                                      # [prefetch]
     python kernels/resources.py check           # compile every default and tuning candidate, both
                                                 # modes, 1 and 3 tokens; exit 1 if any fails
 
@@ -65,7 +66,7 @@ def build(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True, to
     if cfg.chunked:
         consts.update(BC=16, LOG2_BC=4, K_BF16=True, SKETCH_TERMS=2, EMULATE=False)
         return _compile(D._flush_chunk_kernel, consts, cfg)
-    return _compile(D._flush_kernel, dict(VEC=cfg.vec, **consts), cfg)
+    return _compile(D._flush_kernel, dict(VEC=cfg.vec, PREFETCH=cfg.prefetch, **consts), cfg)
 
 
 def resource_usage(cubin: bytes) -> tuple[int, int]:
@@ -91,6 +92,7 @@ def report(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True) -
     extra += f" group={cfg.group}" if cfg.group else ""
     extra += f" rows={cfg.dense_rows}" if cfg.dense_rows else ""
     extra += "" if cfg.early_map else " late_map"
+    extra += " prefetch" if cfg.prefetch else ""
     return (f"{kernel:8s} {family:6s} {mode:6s} BV={cfg.block_v:<3d} warps={cfg.num_warps} {form:7s}"
             f"{extra:14s} regs={regs:3d} stack={spills:5d}B  occupancy≤{warps}/64 warps")
 

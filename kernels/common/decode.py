@@ -87,7 +87,10 @@ class KernelConfig:
       sketch heads' branch included.
     - ``early_map`` (sketch reads) loads a head's first 8 coefficient-map rows before the buffer
       sweep, so that their latency overlaps it; False loads them after it, with [8, K] fewer
-      values live during the sweep."""
+      values live during the sweep.
+    - ``prefetch`` (token-by-token flush on a CUDA device) asks L2 for the program's whole window
+      of buffered tokens as it starts (``prefetch.global.L2``), so that the token loop, which loads
+      one token ahead, finds them there rather than in DRAM."""
 
     block_v: int
     num_warps: int
@@ -97,6 +100,7 @@ class KernelConfig:
     group: int = 0
     dense_rows: int = 0
     early_map: bool = True
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         for name, zero_ok in (("block_v", False), ("num_warps", False), ("dense_rows", True)):
@@ -127,10 +131,10 @@ DEFAULT_CONFIGS: dict[tuple[str, str], KernelConfig] = {
     ),
     ("sketch", "kda"): KernelConfig(128, 1, maxnreg=72, group=3, dense_rows=16, early_map=False),
     ("flush_replay", "mamba2"): KernelConfig(64, 4, maxnreg=128),
-    ("flush_replay", "gdn"): KernelConfig(16, 1, chunked=False, vec=2),
+    ("flush_replay", "gdn"): KernelConfig(16, 1, chunked=False, vec=2, prefetch=True),
     ("flush_replay", "kda"): KernelConfig(16, 1, chunked=False, vec=4, maxnreg=128),
     ("flush_sketch", "mamba2"): KernelConfig(64, 4, maxnreg=128),
-    ("flush_sketch", "gdn"): KernelConfig(16, 1, chunked=False, vec=2),
+    ("flush_sketch", "gdn"): KernelConfig(16, 1, chunked=False, vec=2, prefetch=True),
     ("flush_sketch", "kda"): KernelConfig(16, 1, chunked=False, vec=4, maxnreg=128),
 }
 
@@ -643,6 +647,33 @@ def _read_kernel(
 
 
 @triton.jit
+def _prefetch_l2(p):
+    """``prefetch.global.L2`` of the 128-byte lines holding the addresses ``p`` (a hint: nothing is
+    loaded into registers)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [p], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_window(
+    buf_k, buf_w, buf_decay, buf_beta, hb, gb, i_v,
+    K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, FAMILY: tl.constexpr,
+):
+    """Ask L2 for all C buffer entries a flush program reads: its group's keys [C, K]
+    (contiguous), its w columns (one line per entry), and its head's decays and betas."""
+    KL: tl.constexpr = 128 // (buf_k.dtype.element_ty.primitive_bitwidth // 8)  # keys per line
+    _prefetch_l2(buf_k + gb * K + tl.arange(0, C * K // KL) * KL)
+    _prefetch_l2(buf_w + (hb + tl.arange(0, C)) * V + i_v * BV)
+    if FAMILY == 2:
+        DL: tl.constexpr = 128 // (buf_decay.dtype.element_ty.primitive_bitwidth // 8)
+        _prefetch_l2(buf_decay + hb * K + tl.arange(0, C * K // DL) * DL)
+    else:
+        _prefetch_l2(buf_decay + hb + tl.arange(0, 1))
+    if FAMILY != 0:
+        _prefetch_l2(buf_beta + hb + tl.arange(0, 1))
+
+
+@triton.jit
 def _store_read_copy(S, p_r, read_rows, i_h, ROWS: tl.constexpr):
     """The refreshed read copy of a flushed tile; ``ROWS`` (sketch mode): only for a dense head
     (``read_rows[h]`` = K) — a branch, not a row mask (which costs the token-by-token form twice
@@ -662,9 +693,10 @@ def _flush_kernel(
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     C: tl.constexpr, FAMILY: tl.constexpr,
     HAS_X: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_READ: tl.constexpr, ROWS: tl.constexpr,
-    SKETCH_OUT: tl.constexpr, VEC: tl.constexpr, PDL: tl.constexpr,
+    SKETCH_OUT: tl.constexpr, VEC: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
-    """The token-by-token flush on [K, BV] tiles of S (any family)."""
+    """The token-by-token flush on [K, BV] tiles of S (any family); ``PREFETCH``: see
+    ``KernelConfig.prefetch``."""
     _dependent_launch(PDL)
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -683,6 +715,8 @@ def _flush_kernel(
     hb = (s * H + i_h) * C
     gb = (s * G + i_g) * C
     p_s = state + (s * H + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :]
+    if PREFETCH:
+        _prefetch_window(buf_k, buf_w, buf_decay, buf_beta, hb, gb, i_v, K, V, BV, C, FAMILY)
     S = tl.load(p_s, eviction_policy="evict_first")
     # a rolled loop (an unrolled one overflows the instruction cache: ncu showed 59% of the
     # stalls waiting for instructions) that loads token j + 1 while token j is applied (two
@@ -1072,5 +1106,6 @@ def flush(
             EMULATE=_interpreting(), **common,
         )
     else:
-        _flush_kernel[grid](*args, VEC=cfg.vec, **common)
+        # (the interpreter runs no inline PTX; a prefetch changes no result)
+        _flush_kernel[grid](*args, VEC=cfg.vec, PREFETCH=cfg.prefetch and not _interpreting(), **common)
     return out

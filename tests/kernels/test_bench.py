@@ -73,6 +73,7 @@ def test_bad_candidates_are_one_clear_error(candidates):
         ("64,4,cap=128", KernelConfig(64, 4, maxnreg=128)),
         ("128,1,sweep,cap=64,group=2,rows=16,late_map",
          KernelConfig(128, 1, chunked=False, maxnreg=64, group=2, dense_rows=16, early_map=False)),
+        ("16,1,sweep,vec=2,prefetch", KernelConfig(16, 1, chunked=False, vec=2, prefetch=True)),
     ],
 )
 def test_parse_config(text, want):
