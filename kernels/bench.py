@@ -76,11 +76,13 @@ TUNE_CANDIDATES: dict[str, dict[str, list[KernelConfig]]] = {
     "sketch": {
         # map rows loaded after the sweep (early_map=False) won every run since they were tried;
         # groups of 3-8 cut the dependent load round trips of a long buffer at ≤ 72 registers
-        "mamba2": [_K(64, 1, False, maxnreg=cap, group=g, dense_rows=16, early_map=False)
-                   for cap, g in ((64, 4), (64, 6), (64, 8))],
+        # (and the buffer prefetched into L2 first, which paid for these two families' sketch reads)
+        "mamba2": [_K(64, 1, False, maxnreg=cap, group=g, dense_rows=16, early_map=False, prefetch=pf)
+                   for cap, g, pf in ((64, 4, False), (64, 6, False), (64, 8, False), (64, 8, True))],
         # one program per head (V = 128): the sweep is done once, not once per half
-        "gdn": [_K(128, 1, False, maxnreg=cap, group=g, dense_rows=16, early_map=False)
-                for cap, g in ((64, 2), (64, 3), (72, 4), (64, 6))],
+        "gdn": [_K(128, 1, False, maxnreg=cap, group=g, dense_rows=16, early_map=False, prefetch=pf)
+                for cap, g, pf in ((64, 2, False), (64, 3, False), (72, 4, False), (64, 6, False),
+                                   (64, 6, True))],
         "kda": [_K(128, 1, True, maxnreg=cap, group=g, dense_rows=16, early_map=False)
                 for cap, g in ((64, 2), (72, 2), (72, 3))],
     },

@@ -88,9 +88,9 @@ class KernelConfig:
     - ``early_map`` (sketch reads) loads a head's first 8 coefficient-map rows before the buffer
       sweep, so that their latency overlaps it; False loads them after it, with [8, K] fewer
       values live during the sweep.
-    - ``prefetch`` (token-by-token flush on a CUDA device) asks L2 for the program's whole window
-      of buffered tokens as it starts (``prefetch.global.L2``), so that the token loop, which loads
-      one token ahead, finds them there rather than in DRAM."""
+    - ``prefetch`` (token-by-token reads and flush, on a CUDA device) asks L2 for all the buffered
+      tokens a program reads as it starts (``prefetch.global.L2``), so that its loop over them,
+      which loads a token or a group ahead, finds them there rather than in DRAM."""
 
     block_v: int
     num_warps: int
@@ -124,10 +124,10 @@ DEFAULT_CONFIGS: dict[tuple[str, str], KernelConfig] = {
     ("replay", "gdn"): KernelConfig(128, 1, chunked=False, group=4, dense_rows=16),
     ("replay", "kda"): KernelConfig(128, 1, group=4, dense_rows=16),
     ("sketch", "mamba2"): KernelConfig(
-        64, 1, chunked=False, maxnreg=64, group=8, dense_rows=16, early_map=False
+        64, 1, chunked=False, maxnreg=64, group=8, dense_rows=16, early_map=False, prefetch=True
     ),
     ("sketch", "gdn"): KernelConfig(
-        128, 1, chunked=False, maxnreg=64, group=6, dense_rows=16, early_map=False
+        128, 1, chunked=False, maxnreg=64, group=6, dense_rows=16, early_map=False, prefetch=True
     ),
     ("sketch", "kda"): KernelConfig(128, 1, maxnreg=72, group=3, dense_rows=16, early_map=False),
     ("flush_replay", "mamba2"): KernelConfig(64, 4),
@@ -462,6 +462,40 @@ def _dependent_launch(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+@triton.jit
+def _prefetch_l2(p):
+    """``prefetch.global.L2`` of the 128-byte lines holding the addresses ``p`` (a hint: nothing is
+    loaded into registers)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [p], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_buffer(
+    buf_k, buf_w, buf_decay, buf_beta, hb, gb, n, w_col,
+    K: tl.constexpr, V: tl.constexpr, WCOLS: tl.constexpr, C: tl.constexpr, FAMILY: tl.constexpr,
+):
+    """Ask L2 for the first ``n`` entries of a slot's buffer, all at once (``KernelConfig.prefetch``):
+    the group's keys [n, K] and the head's decays (contiguous), its betas, and columns
+    [w_col, w_col + WCOLS) of its w's [n, V]. Lanes past ``n`` repeat entry 0."""
+    KL: tl.constexpr = 128 // (buf_k.dtype.element_ty.primitive_bitwidth // 8)  # keys per line
+    o = tl.arange(0, C * K // KL) * KL
+    _prefetch_l2(buf_k + gb * K + tl.where(o < n * K, o, 0))
+    WL: tl.constexpr = 128 // (buf_w.dtype.element_ty.primitive_bitwidth // 8)
+    PER_ROW: tl.constexpr = WCOLS // WL if WCOLS >= WL else 1  # lines per entry
+    o = tl.arange(0, C * PER_ROW)
+    row = tl.where(o // PER_ROW < n, o // PER_ROW, 0)
+    _prefetch_l2(buf_w + (hb + row) * V + w_col + (o % PER_ROW) * WL)
+    if FAMILY == 2:
+        DL: tl.constexpr = 128 // (buf_decay.dtype.element_ty.primitive_bitwidth // 8)
+        o = tl.arange(0, C * K // DL) * DL
+        _prefetch_l2(buf_decay + hb * K + tl.where(o < n * K, o, 0))
+    else:
+        _prefetch_l2(buf_decay + hb + tl.arange(0, 1))
+    if FAMILY != 0:
+        _prefetch_l2(buf_beta + hb + tl.arange(0, 1))
+
+
 # ----------------------------------------------------------------------------------------------
 # Kernels. Grid: (V // BV, H, B).
 # ----------------------------------------------------------------------------------------------
@@ -502,7 +536,7 @@ def _read_kernel(
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, M: tl.constexpr,
     FAMILY: tl.constexpr, SKETCH: tl.constexpr, HAS_SKIP: tl.constexpr, K_BF16: tl.constexpr,
     EMULATE: tl.constexpr, CHUNKED: tl.constexpr, GROUP: tl.constexpr, DENSE_ROWS: tl.constexpr,
-    EARLY_MAP: tl.constexpr, PDL: tl.constexpr,
+    EARLY_MAP: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     _dependent_launch(PDL)
     i_v = tl.program_id(0)
@@ -540,6 +574,8 @@ def _read_kernel(
         st0 = tl.zeros([8, BV], dtype=tl.float32)
     hb = (s * H + i_h) * C  # this head's first buffer entry
     gb = (s * G + i_g) * C  # this group's first buffer entry
+    if PREFETCH:
+        _prefetch_buffer(buf_k, buf_w, buf_decay, buf_beta, hb, gb, p, i_v * BV, K, V, BV, C, FAMILY)
     # append the T new tokens at p, p+1, ...: each program writes its w tile; the first tile writes
     # decay and beta, and the first head of the group its k. Reads below touch entries < p only.
     for t in tl.static_range(T):
@@ -647,33 +683,6 @@ def _read_kernel(
 
 
 @triton.jit
-def _prefetch_l2(p):
-    """``prefetch.global.L2`` of the 128-byte lines holding the addresses ``p`` (a hint: nothing is
-    loaded into registers)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [p], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_window(
-    buf_k, buf_w, buf_decay, buf_beta, hb, gb, i_v,
-    K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, FAMILY: tl.constexpr,
-):
-    """Ask L2 for all C buffer entries a flush program reads: its group's keys [C, K]
-    (contiguous), its w columns (one line per entry), and its head's decays and betas."""
-    KL: tl.constexpr = 128 // (buf_k.dtype.element_ty.primitive_bitwidth // 8)  # keys per line
-    _prefetch_l2(buf_k + gb * K + tl.arange(0, C * K // KL) * KL)
-    _prefetch_l2(buf_w + (hb + tl.arange(0, C)) * V + i_v * BV)
-    if FAMILY == 2:
-        DL: tl.constexpr = 128 // (buf_decay.dtype.element_ty.primitive_bitwidth // 8)
-        _prefetch_l2(buf_decay + hb * K + tl.arange(0, C * K // DL) * DL)
-    else:
-        _prefetch_l2(buf_decay + hb + tl.arange(0, 1))
-    if FAMILY != 0:
-        _prefetch_l2(buf_beta + hb + tl.arange(0, 1))
-
-
-@triton.jit
 def _store_read_copy(S, p_r, read_rows, i_h, ROWS: tl.constexpr):
     """The refreshed read copy of a flushed tile; ``ROWS`` (sketch mode): only for a dense head
     (``read_rows[h]`` = K) — a branch, not a row mask (which costs the token-by-token form twice
@@ -716,7 +725,7 @@ def _flush_kernel(
     gb = (s * G + i_g) * C
     p_s = state + (s * H + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :]
     if PREFETCH:
-        _prefetch_window(buf_k, buf_w, buf_decay, buf_beta, hb, gb, i_v, K, V, BV, C, FAMILY)
+        _prefetch_buffer(buf_k, buf_w, buf_decay, buf_beta, hb, gb, n, i_v * BV, K, V, BV, C, FAMILY)
     S = tl.load(p_s, eviction_policy="evict_first")
     # a rolled loop (an unrolled one overflows the instruction cache: ncu showed 59% of the
     # stalls waiting for instructions) that loads token j + 1 while token j is applied (two
@@ -909,9 +918,11 @@ def _launch_options(cfg: KernelConfig, device: torch.device | None = None) -> di
 
 
 def _read_options(cfg: KernelConfig, kd: int) -> dict:
-    """The read kernel's constexprs that come from its launch shape."""
+    """The read kernel's constexprs that come from its launch shape (the interpreter runs no
+    inline PTX: no prefetch there, and no result depends on it)."""
     return dict(
-        CHUNKED=cfg.chunked, GROUP=cfg.group, DENSE_ROWS=min(cfg.dense_rows, kd), EARLY_MAP=cfg.early_map
+        CHUNKED=cfg.chunked, GROUP=cfg.group, DENSE_ROWS=min(cfg.dense_rows, kd), EARLY_MAP=cfg.early_map,
+        PREFETCH=cfg.prefetch and not _interpreting(),
     )
 
 
