@@ -124,7 +124,7 @@ DEFAULT_CONFIGS: dict[tuple[str, str], KernelConfig] = {
     ("replay", "gdn"): KernelConfig(128, 1, chunked=False, group=4, dense_rows=16),
     ("replay", "kda"): KernelConfig(128, 1, group=4, dense_rows=16),
     ("sketch", "mamba2"): KernelConfig(
-        64, 1, chunked=False, maxnreg=64, group=8, dense_rows=16, early_map=False, prefetch=True
+        64, 1, chunked=False, maxnreg=64, group=8, dense_rows=16, early_map=False
     ),
     ("sketch", "gdn"): KernelConfig(
         128, 1, chunked=False, maxnreg=64, group=6, dense_rows=16, early_map=False, prefetch=True
