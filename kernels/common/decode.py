@@ -88,9 +88,10 @@ class KernelConfig:
     - ``early_map`` (sketch reads) loads a head's first 8 coefficient-map rows before the buffer
       sweep, so that their latency overlaps it; False loads them after it, with [8, K] fewer
       values live during the sweep.
-    - ``prefetch`` (token-by-token reads and flush, on a CUDA device) asks L2 for all the buffered
-      tokens a program reads as it starts (``prefetch.global.L2``), so that its loop over them,
-      which loads a token or a group ahead, finds them there rather than in DRAM."""
+    - ``prefetch`` (reads and the token-by-token flush, on a CUDA device) asks L2 for all the
+      buffered tokens a program reads as it starts (``prefetch.global.L2``), so that its loop over
+      them, which loads a token or a group ahead, finds them there rather than in DRAM. (The
+      chunked flush loads its buffer tiles at once anyway.)"""
 
     block_v: int
     num_warps: int
@@ -917,12 +918,17 @@ def _launch_options(cfg: KernelConfig, device: torch.device | None = None) -> di
     return opts
 
 
+def _prefetch(cfg: KernelConfig) -> bool:
+    """``cfg.prefetch`` where it can run: the CPU interpreter runs no inline PTX (and no result
+    depends on a prefetch)."""
+    return cfg.prefetch and not _interpreting()
+
+
 def _read_options(cfg: KernelConfig, kd: int) -> dict:
-    """The read kernel's constexprs that come from its launch shape (the interpreter runs no
-    inline PTX: no prefetch there, and no result depends on it)."""
+    """The read kernel's constexprs that come from its launch shape."""
     return dict(
         CHUNKED=cfg.chunked, GROUP=cfg.group, DENSE_ROWS=min(cfg.dense_rows, kd), EARLY_MAP=cfg.early_map,
-        PREFETCH=cfg.prefetch and not _interpreting(),
+        PREFETCH=_prefetch(cfg),
     )
 
 
@@ -1117,6 +1123,5 @@ def flush(
             EMULATE=_interpreting(), **common,
         )
     else:
-        # (the interpreter runs no inline PTX; a prefetch changes no result)
-        _flush_kernel[grid](*args, VEC=cfg.vec, PREFETCH=cfg.prefetch and not _interpreting(), **common)
+        _flush_kernel[grid](*args, VEC=cfg.vec, PREFETCH=_prefetch(cfg), **common)
     return out
