@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--group", type=int, help="reads: live tokens per sweep iteration (0: all unrolled)")
     ap.add_argument("--dense-rows", type=int, help="reads: read-copy rows per dense-read iteration (0: all)")
     ap.add_argument("--map", choices=["early", "late"], help="sketch reads: map rows before/after the sweep")
-    ap.add_argument("--prefetch", choices=["on", "off"], help="token-by-token flush: window into L2 first")
+    ap.add_argument("--prefetch", choices=["on", "off"], help="reads, sweep flush: buffer into L2 first")
     args = ap.parse_args()
     bootstrap()
     import torch

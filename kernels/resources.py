@@ -66,7 +66,7 @@ def build(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True, to
     if cfg.chunked:
         consts.update(BC=16, LOG2_BC=4, K_BF16=True, SKETCH_TERMS=2, EMULATE=False)
         return _compile(D._flush_chunk_kernel, consts, cfg)
-    return _compile(D._flush_kernel, dict(VEC=cfg.vec, PREFETCH=cfg.prefetch, **consts), cfg)
+    return _compile(D._flush_kernel, dict(VEC=cfg.vec, PREFETCH=D._prefetch(cfg), **consts), cfg)
 
 
 def resource_usage(cubin: bytes) -> tuple[int, int]:

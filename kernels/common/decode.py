@@ -48,6 +48,10 @@ accumulation), two fp32 tiles split into three terms each (the six largest produ
 products of decays are running products, never ratios (the token-by-token flush's scale is
 folded in before its reciprocal passes 2⁶⁴), so nothing overflows. Only a bf16 sketch is written
 from two-term splits (~16 bits, below the bf16 store's rounding).
+
+Launch: on Hopper and later every kernel is a programmatic dependent launch (:func:`_dependent_launch`,
+``USE_PDL``). With ``KernelConfig.prefetch`` a read or a token-by-token flush first asks L2 for the
+buffered tokens it will read (:func:`_prefetch_buffer`).
 """
 
 from __future__ import annotations
