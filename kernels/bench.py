@@ -84,8 +84,10 @@ TUNE_CANDIDATES: dict[str, dict[str, list[KernelConfig]]] = {
         "gdn": [_K(128, 1, False, maxnreg=cap, group=g, dense_rows=16, early_map=False, prefetch=pf)
                 for cap, g, pf in ((64, 2, False), (64, 3, False), (72, 4, False), (64, 6, False),
                                    (64, 6, True))],
+        # (groups of 4 and 6 fit in 72 registers too: tried again now that a buffered token's
+        # decays are read as bf16 log₂, half the bytes of each group's loads)
         "kda": [_K(128, 1, True, maxnreg=cap, group=g, dense_rows=16, early_map=False)
-                for cap, g in ((64, 2), (72, 2), (72, 3))],
+                for cap, g in ((64, 2), (72, 2), (72, 3), (72, 4), (72, 6))],
     },
     "flush": {
         # the chunked (tensor-core) flush on Sᵀ tiles (a register cap trades a few spills for more
@@ -208,17 +210,33 @@ class ByteModel:
         return s.heads, s.groups, s.key_dim, s.value_dim
 
     def token(self) -> int:
-        """One token's inputs (k, w, decay, beta) as buffered, per sequence."""
+        """One token's inputs (k, w, decay, beta) as buffered, per sequence; for KDA with a
+        low-precision read copy, also the bf16 log₂ of its decays (``DecodePool.buf_logdecay``)."""
         h, g, kd, vd = self._h
         decay = h * kd * 4 if self.family == "kda" else h * 4
         beta = 0 if self.family == "mamba2" else h * 4
-        return g * kd * self.input_bytes + h * vd * self.input_bytes + decay + beta
+        return g * kd * self.input_bytes + h * vd * self.input_bytes + decay + beta + self._log_decay()
+
+    def _log_decay(self) -> int:
+        h, _, kd, _ = self._h
+        return h * kd * 2 if self.family == "kda" and self.read_bytes < 4 else 0
+
+    def read_token(self) -> int:
+        """One buffered token as a read loads it: KDA's reads take the log₂ decays, not the fp32
+        ones (with a low-precision read copy)."""
+        h, _, kd, _ = self._h
+        fp32_decays = h * kd * 4 if self._log_decay() else 0
+        return self.token() - fp32_decays
+
+    def flush_token(self) -> int:
+        """One buffered token as the flush loads it (the fp32 decays)."""
+        return self.token() - self._log_decay()
 
     def io(self) -> int:
         """Inputs read and outputs written by one call for one token, per sequence."""
         h, g, kd, vd = self._h
         skip = h * vd * self.input_bytes if self.family == "mamba2" else 0
-        return self.token() + g * kd * self.input_bytes + skip + h * vd * self.input_bytes
+        return self.flush_token() + g * kd * self.input_bytes + skip + h * vd * self.input_bytes
 
     def state(self) -> int:
         h, _, kd, vd = self._h
@@ -229,13 +247,13 @@ class ByteModel:
 
     def replay_step(self, p: int) -> int:
         h, _, kd, vd = self._h
-        return self.batch * (h * kd * vd * self.read_bytes + p * self.token() + self.token() + self.io())
+        return self.batch * (h * kd * vd * self.read_bytes + p * self.read_token() + self.token() + self.io())
 
     def sketch_step(self, p: int) -> int:
         _, _, kd, vd = self._h
         rows = sum(m if m > 0 else kd for m in self.ranks)
         maps = sum(self.ranks) * kd * 4  # shared by the batch: read once
-        per_seq = rows * vd * self.read_bytes + p * self.token() + self.token() + self.io()
+        per_seq = rows * vd * self.read_bytes + p * self.read_token() + self.token() + self.io()
         return self.batch * per_seq + maps
 
     def flush(self, n: int, sketch: bool) -> int:
@@ -243,7 +261,7 @@ class ByteModel:
         # rows refreshed: the whole read copy (replay); the sketch's m rows per sketch head and the
         # whole read copy of a dense head (sketch)
         rows = h * kd if not sketch else sum(m if m > 0 else kd for m in self.ranks)
-        per_seq = 2 * self.state() + rows * vd * self.read_bytes + n * self.token() + self.io()
+        per_seq = 2 * self.state() + rows * vd * self.read_bytes + n * self.flush_token() + self.io()
         return self.batch * per_seq
 
     def window(self, window: int, sketch: bool) -> int:

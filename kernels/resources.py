@@ -34,7 +34,8 @@ TARGET = GPUTarget("cuda", 90, 32)
 PTR = {
     "slots": "*i32", "pos": "*i32", "ranks": "*i32", "read_rows": "*i32",
     "q": "*bf16", "k": "*bf16", "w": "*bf16", "skip": "*bf16", "out": "*bf16",
-    "buf_k": "*bf16", "buf_w": "*bf16", "rd": "*bf16", "sk": "*bf16", "frames": "*fp32", "maps": "*fp32",
+    "buf_k": "*bf16", "buf_w": "*bf16", "buf_logdecay": "*bf16", "rd": "*bf16", "sk": "*bf16",
+    "frames": "*fp32", "maps": "*fp32",
     "sk_head_stride": "i32",
 }
 
@@ -59,7 +60,9 @@ def build(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True, to
     if kernel == "standard":
         return _compile(D._standard_kernel, dict(T=tokens, **common), cfg)
     if kernel == "read":
+        # as the benchmark's bf16 pools: KDA's reads take the log₂ decays
         consts = dict(T=tokens, C=16, BC=16, M=32, SKETCH=sketch, K_BF16=True, EMULATE=False,
+                      LOG2_DECAY=family == "kda",
                       **D._read_options(cfg, s.key_dim), **common)
         return _compile(D._read_kernel, consts, cfg)
     consts = dict(C=16, HAS_X=True, HAS_READ=True, ROWS=sketch, SKETCH_OUT=sketch, **common)

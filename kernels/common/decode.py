@@ -47,7 +47,10 @@ fp32-accurate: an fp32 tile split into three bf16 terms times bf16 keys (exact p
 accumulation), two fp32 tiles split into three terms each (the six largest products), or 3xTF32;
 products of decays are running products, never ratios (the token-by-token flush's scale is
 folded in before its reciprocal passes 2⁶⁴), so nothing overflows. Only a bf16 sketch is written
-from two-term splits (~16 bits, below the bf16 store's rounding).
+from two-term splits (~16 bits, below the bf16 store's rounding). KDA's reads from a bf16 read copy
+or sketch take the buffered decays as bf16 log₂ (``DecodePool.buf_logdecay``: half the bytes of the
+fp32 decays, a relative error of at most |log₂ of a product of decays| · 2⁻⁹ · ln 2 on it); the
+flush always folds the fp32 decays.
 
 Launch: on Hopper and later every kernel is a programmatic dependent launch (:func:`_dependent_launch`,
 ``USE_PDL``). With ``KernelConfig.prefetch`` a read or a token-by-token flush first asks L2 for the
@@ -158,15 +161,18 @@ def default_config(kernel: str, family: str) -> KernelConfig:
 @triton.jit
 def _load_token(
     k, w, decay, beta, k_off, w_off, h_off, o_k, o_v, live,
-    K: tl.constexpr, V: tl.constexpr, FAMILY: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, FAMILY: tl.constexpr, LOG2_DECAY: tl.constexpr = False,
 ):
     """One token's (k [K], w [BV], decay, beta) as fp32; a masked-off token (``live`` False)
-    comes back as the identity transition (k = w = 0, decay = 1, beta = 0)."""
+    comes back as the identity transition (k = w = 0, decay = 1, beta = 0). ``LOG2_DECAY`` (KDA):
+    ``decay`` points at log₂ of the decays (``DecodePool.buf_logdecay``)."""
     # vector masks come from one comparison each (the interpreter rejects broadcast scalar masks)
     mk = o_k < tl.where(live, K, 0)
     kk = tl.load(k + k_off + o_k, mask=mk, other=0.0).to(tl.float32)
     ww = tl.load(w + w_off + o_v, mask=o_v < tl.where(live, V, 0), other=0.0).to(tl.float32)
-    if FAMILY == 2:
+    if FAMILY == 2 and LOG2_DECAY:
+        dd = tl.exp2(tl.load(decay + h_off * K + o_k, mask=mk, other=0.0).to(tl.float32))
+    elif FAMILY == 2:
         dd = tl.load(decay + h_off * K + o_k, mask=mk, other=1.0).to(tl.float32)
     else:
         dd = tl.load(decay + h_off, mask=live, other=1.0).to(tl.float32)
@@ -246,15 +252,17 @@ def _backward(v, c, kk, dd, bb, FAMILY: tl.constexpr):
 @triton.jit
 def _sweep_buffered(
     v, c, acc, k_g, w_h, decay_h, beta_h, j, live, o_k, o_v,
-    K: tl.constexpr, V: tl.constexpr, FAMILY: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, FAMILY: tl.constexpr, LOG2_DECAY: tl.constexpr,
 ):
     """One buffered token ``j`` of a read's backward sweep (``live`` False: the identity) on the
     query ``c v̂`` (see :func:`_backward`): returns it pushed past the token, and ``acc`` plus the
     token's w's share of the output. ``k_g``, ``w_h``, ``decay_h``, ``beta_h`` point at the entry
     of this group's / head's buffer that ``j`` counts from (entry 0, or a group's newest token with
     ``j`` ≤ 0), so a token costs a 32-bit offset per pointer rather than 64-bit address
-    arithmetic."""
-    kk, ww, dd, bb = _load_token(k_g, w_h, decay_h, beta_h, j * K, j * V, j, o_k, o_v, live, K, V, FAMILY)
+    arithmetic. ``LOG2_DECAY``: ``decay_h`` points at log₂ of the decays (:func:`_load_token`)."""
+    kk, ww, dd, bb = _load_token(
+        k_g, w_h, decay_h, beta_h, j * K, j * V, j, o_k, o_v, live, K, V, FAMILY, LOG2_DECAY,
+    )
     kv, v, c = _backward(v, c, kk, dd, bb, FAMILY)
     return v, c, acc + kv * ww
 
@@ -535,14 +543,17 @@ def _standard_kernel(
 @triton.jit
 def _read_kernel(
     slots, pos, q, k, w, decay, beta, skip, out,
-    buf_k, buf_w, buf_decay, buf_beta,
+    buf_k, buf_w, buf_decay, buf_beta, buf_logdecay,
     rd, sk, ranks, maps, sk_head_stride,
     T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, M: tl.constexpr,
     FAMILY: tl.constexpr, SKETCH: tl.constexpr, HAS_SKIP: tl.constexpr, K_BF16: tl.constexpr,
     EMULATE: tl.constexpr, CHUNKED: tl.constexpr, GROUP: tl.constexpr, DENSE_ROWS: tl.constexpr,
-    EARLY_MAP: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    EARLY_MAP: tl.constexpr, PREFETCH: tl.constexpr, LOG2_DECAY: tl.constexpr, PDL: tl.constexpr,
 ):
+    """The reads (replay, sketch, spec_verify). ``LOG2_DECAY`` (KDA): the buffered decays are read
+    as log₂ in bf16 from ``buf_logdecay`` (half the bytes; the flush keeps the fp32 ones), which
+    each appended token also gets."""
     _dependent_launch(PDL)
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -580,7 +591,10 @@ def _read_kernel(
     hb = (s * H + i_h) * C  # this head's first buffer entry
     gb = (s * G + i_g) * C  # this group's first buffer entry
     if PREFETCH:
-        _prefetch_buffer(buf_k, buf_w, buf_decay, buf_beta, hb, gb, p, i_v * BV, K, V, BV, C, FAMILY)
+        _prefetch_buffer(
+            buf_k, buf_w, buf_logdecay if LOG2_DECAY else buf_decay, buf_beta, hb, gb, p, i_v * BV, K, V, BV,
+            C, FAMILY,
+        )
     # append the T new tokens at p, p+1, ...: each program writes its w tile; the first tile writes
     # decay and beta, and the first head of the group its k. Reads below touch entries < p only.
     for t in tl.static_range(T):
@@ -600,6 +614,9 @@ def _read_kernel(
             if FAMILY == 2:
                 mk = o_k < tl.where(ok, K, 0)
                 tl.store(buf_decay + (hb + jw) * K + o_k, d_new.to(buf_decay.dtype.element_ty), mask=mk)
+                if LOG2_DECAY:
+                    lg = tl.log2(d_new).to(buf_logdecay.dtype.element_ty)
+                    tl.store(buf_logdecay + (hb + jw) * K + o_k, lg, mask=mk)
             else:
                 tl.store(buf_decay + hb + jw, d_new.to(buf_decay.dtype.element_ty), mask=ok)
             if FAMILY != 0:
@@ -612,7 +629,7 @@ def _read_kernel(
     DS: tl.constexpr = K if FAMILY == 2 else 1  # decay entries per token
     k_g = buf_k + gb * K
     w_h = buf_w + hb * V
-    decay_h = buf_decay + hb * DS
+    decay_h = (buf_logdecay if LOG2_DECAY else buf_decay) + hb * DS
     beta_h = buf_beta + hb
     o_c = tl.arange(0, BC)
     if FAMILY != 2 and CHUNKED:
@@ -651,7 +668,7 @@ def _read_kernel(
             for i in tl.static_range(C):
                 j = C - 1 - i
                 v, c, acc = _sweep_buffered(
-                    v, c, acc, k_g, w_h, decay_h, beta_h, j, j < p, o_k, o_v, K, V, FAMILY,
+                    v, c, acc, k_g, w_h, decay_h, beta_h, j, j < p, o_k, o_v, K, V, FAMILY, LOG2_DECAY,
                 )
         elif FAMILY == 2 or not CHUNKED:
             # the live tokens p-1..0, GROUP per iteration (the group's loads issue together). The
@@ -664,6 +681,7 @@ def _read_kernel(
                 for i in tl.static_range(GROUP):
                     v, c, acc = _sweep_buffered(
                         v, c, acc, k_j, w_j, decay_j, beta_j, -i, i < p - j0, o_k, o_v, K, V, FAMILY,
+                        LOG2_DECAY,
                     )
                 k_j, w_j = k_j - GROUP * K, w_j - GROUP * V
                 decay_j, beta_j = decay_j - GROUP * DS, beta_j - GROUP
@@ -1031,12 +1049,14 @@ def spec_verify(
         slots, pos, x.q, x.k, x.w, x.decay, _beta(x), x.skip if x.skip is not None else x.w, out,
         pool.buf_k, pool.buf_w, pool.buf_decay,
         pool.buf_beta if pool.buf_beta is not None else pool.buf_decay,
+        pool.buf_logdecay if pool.buf_logdecay is not None else pool.buf_decay,
         pool.read, sk, tables.ranks if sketch else slots, tables.maps if sketch else pool.buf_decay,
         sk.shape[2] * sk.shape[3],
         T=t, H=h, G=g, K=kd, V=vd, BV=bv, C=pool.capacity, BC=_buffer_block(pool.capacity),
         M=m_rows, FAMILY=FAMILY_ID[family], SKETCH=sketch,
         HAS_SKIP=x.skip is not None, K_BF16=_keys_bf16(pool), EMULATE=_interpreting(),
-        **_read_options(cfg, kd), **_launch_options(cfg, pool.state.device),
+        LOG2_DECAY=pool.buf_logdecay is not None, **_read_options(cfg, kd),
+        **_launch_options(cfg, pool.state.device),
     )
     return out
 

@@ -58,6 +58,11 @@ class DecodePool:
         buf_w      [N, H, C, V]
         buf_decay  [N, H, C] fp32, or [N, H, C, K] for KDA
         buf_beta   [N, H, C] fp32 (delta rules), else None
+        buf_logdecay [N, H, C, K] bf16, KDA with a low-precision read copy (not fp32): log₂ of the
+                   buffered decays, which the reads use instead of ``buf_decay`` (half its bytes,
+                   which are half a KDA token's; a product of decays then carries a relative error of
+                   at most |log₂ of the product| · 2⁻⁹ · ln 2, below a bf16 read's own). The flush
+                   folds the fp32 decays; an fp32 read copy (exact replay) reads them too.
     """
 
     state: Tensor
@@ -67,6 +72,7 @@ class DecodePool:
     buf_w: Tensor | None = None
     buf_decay: Tensor | None = None
     buf_beta: Tensor | None = None
+    buf_logdecay: Tensor | None = None
 
     @property
     def slots(self) -> int:
@@ -121,6 +127,8 @@ def allocate_pool(
         pool.buf_decay = torch.ones(dshape, dtype=torch.float32, **z)
         if family != "mamba2":
             pool.buf_beta = torch.zeros(slots, heads, capacity, dtype=torch.float32, **z)
+        if family == "kda" and read_dtype != torch.float32:
+            pool.buf_logdecay = torch.zeros(dshape, dtype=torch.bfloat16, **z)  # log₂ 1
     if sketch_rows > 0:
         sk_dtype = read_dtype or torch.bfloat16
         pool.sketch = torch.zeros(slots, heads, sketch_rows, value_dim, dtype=sk_dtype, **z)

@@ -30,16 +30,21 @@ def _entries(x: StepInputs, b: int) -> StepInputs:
     return x.map(lambda t: t[b].to(F64))
 
 
-def _buffered(pool: DecodePool, s: int, n: int, skip: bool) -> StepInputs:
+def _buffered(pool: DecodePool, s: int, n: int, skip: bool, read: bool) -> StepInputs:
     """The first ``n`` buffered tokens of slot ``s`` in kernel layout ([n, G, K], ...); their
-    queries and skips are zero (their outputs are never used)."""
+    queries and skips are zero (their outputs are never used). ``read``: the decays as a read
+    sees them (from ``buf_logdecay`` where the pool has it)."""
     k = pool.buf_k[s, :, :n].transpose(0, 1).to(F64)
     w = pool.buf_w[s, :, :n].transpose(0, 1).to(F64)
+    if read and pool.buf_logdecay is not None:
+        decay = torch.exp2(pool.buf_logdecay[s, :, :n].to(F64))
+    else:
+        decay = pool.buf_decay[s, :, :n].to(F64)
     return StepInputs(
         k=k,
         q=torch.zeros_like(k),
         w=w,
-        decay=pool.buf_decay[s, :, :n].transpose(0, 1).to(F64),
+        decay=decay.transpose(0, 1),
         beta=None if pool.buf_beta is None else pool.buf_beta[s, :, :n].transpose(0, 1).to(F64),
         skip=torch.zeros_like(w) if skip else None,
     )
@@ -56,11 +61,11 @@ def _concat(a: StepInputs, b: StepInputs | None) -> StepInputs:
     )
 
 
-def _window(pool: DecodePool, s: int, n: int, x: StepInputs | None, b: int) -> StepInputs:
+def _window(pool: DecodePool, s: int, n: int, x: StepInputs | None, b: int, read: bool) -> StepInputs:
     """Buffered tokens [0, n) of slot ``s`` followed by batch entry ``b`` of ``x``, in reference
-    layout (groups expanded to heads), float64."""
+    layout (groups expanded to heads), float64; ``read`` as for :func:`_buffered`."""
     has_skip = x is not None and x.skip is not None
-    win = _concat(_buffered(pool, s, n, has_skip), None if x is None else _entries(x, b))
+    win = _concat(_buffered(pool, s, n, has_skip, read), None if x is None else _entries(x, b))
     return expand_groups(win, pool.heads)
 
 
@@ -74,6 +79,8 @@ def _store_tokens(pool: DecodePool, s: int, p: int, x: StepInputs, b: int) -> No
         pool.buf_k[s, :, j] = x.k[b, t].to(pool.buf_k.dtype)
         pool.buf_w[s, :, j] = x.w[b, t].to(pool.buf_w.dtype)
         pool.buf_decay[s, :, j] = x.decay[b, t].to(pool.buf_decay.dtype)
+        if pool.buf_logdecay is not None:
+            pool.buf_logdecay[s, :, j] = x.decay[b, t].float().log2().to(pool.buf_logdecay.dtype)
         if pool.buf_beta is not None:
             pool.buf_beta[s, :, j] = x.beta[b, t].to(pool.buf_beta.dtype)
 
@@ -129,7 +136,7 @@ def spec_verify(
     for b, (s, p) in enumerate(zip(slots.tolist(), pos.tolist(), strict=True)):
         if s < 0:
             continue
-        win = _window(pool, s, p, x, b)
+        win = _window(pool, s, p, x, b, read=True)
         if tables is None:
             o, _ = product_form_read(fam, pool.read[s].to(F64), win)
         else:
@@ -168,7 +175,7 @@ def flush(
     for b, (s, n) in enumerate(zip(slots.tolist(), pos.tolist(), strict=True)):
         if s < 0:
             continue
-        win = _window(pool, s, n, x, b)
+        win = _window(pool, s, n, x, b, read=False)
         o, st = recurrence(fam, win, pool.state[s].to(F64))
         pool.state[s] = st.to(pool.state.dtype)
         if out is not None:

@@ -104,6 +104,8 @@ def random_pool(
         pool.buf_k.copy_(x.k.transpose(1, 2))
         pool.buf_w.copy_(x.w.transpose(1, 2))
         pool.buf_decay.copy_(x.decay.transpose(1, 2))
+        if pool.buf_logdecay is not None:
+            pool.buf_logdecay.copy_(pool.buf_decay.log2())
         if pool.buf_beta is not None:
             pool.buf_beta.copy_(x.beta.transpose(1, 2))
     return pool

@@ -84,3 +84,47 @@ def test_parse_config(text, want):
 def test_bad_launch_shape_text_is_one_clear_error(text):
     with pytest.raises(SketchcalError, match="launch shape"):
         bench.parse_config(text)
+
+
+def _touched(t, index=None) -> int:
+    """Bytes of ``t`` (or of ``t[index]``)."""
+    if t is None:
+        return 0
+    part = t if index is None else t[index]
+    return part.numel() * part.element_size()
+
+
+@pytest.mark.parametrize("read_dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("family", ["gdn", "kda", "mamba2"])
+def test_byte_model_counts_the_tensors_each_call_touches(family, read_dtype):
+    """The benchmark's byte model against a count over the tensors of a real pool: a read of p
+    buffered tokens, a flush of n, and the standard step."""
+    from sketchcal.kernels.common.pool import allocate_pool, random_sketch, rank_spread
+    from sketchcal.kernels.common.testing import random_inputs
+
+    h, g, kd, vd, batch, cap = 4, 2 if family != "kda" else 4, 16, 8, 3, 6
+    shape = bench.ModelShape("tiny", heads=h, groups=g, key_dim=kd, value_dim=vd)
+    ranks = rank_spread(h, 8, kd)
+    rd = bench.READ_DTYPES[read_dtype]
+    tables = random_sketch(family, ranks, g, kd)
+    pool = allocate_pool(family, batch, h, g, kd, vd, capacity=cap, read_dtype=rd,
+                         sketch_rows=tables.map_rows)
+    x = random_inputs(family, batch, 1, h, g, kd, vd)
+    bm = bench.ByteModel(family, batch, shape, ranks, read_bytes=rd.itemsize)
+    inputs = sum(_touched(t) for t in (x.k, x.q, x.w, x.decay, x.beta, x.skip)) + _touched(x.w)  # + out
+    entry = (slice(None), slice(None), 3)  # one buffer entry of every slot
+    appended = sum(_touched(t, entry) for t in pool.tensors().values() if t.dim() > 2 and t is not pool.state
+                   and t is not pool.read and t is not pool.sketch)
+    read_decays = pool.buf_logdecay if pool.buf_logdecay is not None else pool.buf_decay
+    sketch_rows = sum(_touched(pool.sketch, (slice(None), head, slice(0, m))) for head, m in enumerate(ranks))
+    maps = sum(ranks) * kd * 4  # read once for the whole batch
+    for p in (0, 3):
+        first = (slice(None), slice(None), slice(0, p))
+        buffered = sum(_touched(t, first) for t in (pool.buf_k, pool.buf_w, read_decays, pool.buf_beta))
+        assert bm.sketch_step(p) == sketch_rows + buffered + appended + inputs + maps
+        assert bm.replay_step(p) == _touched(pool.read) + buffered + appended + inputs
+    n = 5
+    folded = sum(_touched(t, (slice(None), slice(None), slice(0, n)))
+                 for t in (pool.buf_k, pool.buf_w, pool.buf_decay, pool.buf_beta))
+    assert bm.flush(n, sketch=False) == 2 * _touched(pool.state) + _touched(pool.read) + folded + inputs
+    assert bm.standard() == 2 * _touched(pool.state) + inputs

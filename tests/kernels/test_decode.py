@@ -86,7 +86,9 @@ def run_case(
         assert torch.equal(t[untouched], old[untouched]), f"{name}: unaddressed slot changed"
         exp = want_pool.tensors()[name]
         tol = fp32_tol if t.dtype in (torch.float32, torch.float64) or name.startswith("buf") else 1e-2
-        if name.startswith("buf"):
+        if name == "buf_logdecay":  # log₂ on the device and in torch may differ in the last bit
+            assert torch.allclose(t.float(), exp.float(), rtol=2**-7, atol=0), f"{name} differs"
+        elif name.startswith("buf"):
             assert torch.equal(t, exp), f"{name} differs from the reference"
         elif not torch.equal(t, exp):
             assert _rel(t, exp) <= tol, f"{name}: {_rel(t, exp):.2e}"
@@ -213,6 +215,58 @@ def test_bf16_read_copy_is_close_to_exact():
     assert _rel(got, want) <= 1e-2
 
 
+def _kda_window_pool(gen, read_dtype=torch.bfloat16):
+    h, g, kd, vd = CPU_SHAPES["kda"][0]
+    pool = random_pool("kda", 3, h, g, kd, vd, capacity=8, read_dtype=read_dtype, input_dtype=torch.float32,
+                       generator=gen)
+    x = random_inputs("kda", 3, 1, h, g, kd, vd, dtype=torch.float32, generator=gen)
+    slots, pos = torch.tensor([2, 0, 1], dtype=torch.int32), torch.tensor([8, 5, 0], dtype=torch.int32)
+    return pool, x, slots, pos
+
+
+def test_kda_reads_take_log2_decays_and_the_flush_fp32_ones():
+    """With a bf16 read copy a KDA pool keeps log₂ of its buffered decays in bf16: the reads take
+    them, the flush folds the fp32 decays. Each plane is spoiled in turn where the other should be
+    used: the results must not move."""
+    pool, x, slots, pos = _kda_window_pool(torch.Generator().manual_seed(21))
+    assert pool.buf_logdecay is not None and pool.buf_logdecay.dtype == torch.bfloat16
+    spoilt = pool.clone()
+    spoilt.buf_decay.mul_(0.5)
+    got = decode.replay_step("kda", spoilt, slots, pos[[1, 1, 2]], x)
+    want = ref.replay_step("kda", pool.clone(), slots, pos[[1, 1, 2]], x)
+    assert _rel(got, want) <= 1e-2
+    spoilt = pool.clone()
+    spoilt.buf_logdecay.fill_(-1.0)
+    decode.flush("kda", spoilt, slots, pos)
+    want = pool.clone()
+    ref.flush("kda", want, slots, pos)
+    assert _rel(spoilt.state, want.state) <= 1e-5
+
+
+def test_kda_log2_decays_cost_a_read_less_than_bf16():
+    """The float64 reference read through the bf16 log₂ decays against the exact fp32 decays, over
+    a full buffer of decays near 1 (where bf16 decays themselves would be off by up to 2⁻⁹ per
+    token): within 1e-4, far below a bf16 read copy's own rounding."""
+    gen = torch.Generator().manual_seed(22)
+    pool, x, slots, pos = _kda_window_pool(gen)
+    pool.buf_decay.copy_(1.0 - 0.02 * torch.rand(pool.buf_decay.shape, generator=gen))
+    pool.buf_logdecay.copy_(pool.buf_decay.log2())
+    pool.read = pool.state.clone()  # exact checkpoint: only the decays differ
+    exact = pool.clone()
+    exact.buf_logdecay = None
+    got = ref.replay_step("kda", pool, slots, pos, x)
+    want = ref.replay_step("kda", exact, slots, pos, x)
+    rounded = exact.clone()
+    rounded.buf_decay = rounded.buf_decay.bfloat16().float()
+    assert _rel(got, want) <= 1e-4 < _rel(ref.replay_step("kda", rounded, slots, pos, x), want)
+
+
+def test_exact_replay_pool_has_no_log2_decays():
+    """An fp32 read copy (exact replay) reads the fp32 decays: no log₂ plane is allocated."""
+    pool, *_ = _kda_window_pool(torch.Generator().manual_seed(23), read_dtype=torch.float32)
+    assert pool.buf_logdecay is None
+
+
 @pytest.mark.parametrize("field", ["maps", "frames"])
 def test_low_precision_tables_are_refused(field):
     tables = random_sketch("gdn", [0, 4], 1, 16, torch.Generator().manual_seed(0))
@@ -287,7 +341,7 @@ def test_tuning_candidates_gpu(family, op, cand):
     run_case(family, op, GPU_SHAPES[family], "bf16", "cuda", seed=11, real=True, config=config)
 
 
-POOL_TENSORS = ("state", "read", "sketch", "buf_k", "buf_w", "buf_decay", "buf_beta")
+POOL_TENSORS = ("state", "read", "sketch", "buf_k", "buf_w", "buf_decay", "buf_beta", "buf_logdecay")
 
 
 def _clone(pool):

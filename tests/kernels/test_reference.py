@@ -66,7 +66,8 @@ def test_sketch_read_matches_original_frame(family):
     x = random_inputs(family, 2, 1, h, g, k, v, dtype=F64, generator=gen)
     # expected, in the model frame: buffer term + (R S_c)_{:m}ᵀ (P u), or S_cᵀ u for a dense head
     s_c = pool.read[1].clone()
-    o_buf, u = product_form_read(ref._family(family), torch.zeros_like(s_c), ref._window(pool, 1, 2, x, 0))
+    win = ref._window(pool, 1, 2, x, 0, read=True)
+    o_buf, u = product_form_read(ref._family(family), torch.zeros_like(s_c), win)
     expect = o_buf[2].clone()
     for head, m in enumerate(ranks):
         if m == 0:
