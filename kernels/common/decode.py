@@ -137,7 +137,7 @@ DEFAULT_CONFIGS: dict[tuple[str, str], KernelConfig] = {
     ("sketch", "gdn"): KernelConfig(
         128, 1, chunked=False, maxnreg=64, group=6, dense_rows=16, early_map=False, prefetch=True
     ),
-    ("sketch", "kda"): KernelConfig(128, 1, maxnreg=72, group=3, dense_rows=16, early_map=False),
+    ("sketch", "kda"): KernelConfig(128, 1, maxnreg=64, group=2, dense_rows=16, early_map=False),
     ("flush_replay", "mamba2"): KernelConfig(64, 4),
     ("flush_replay", "gdn"): KernelConfig(16, 1, chunked=False, vec=2, prefetch=True),
     ("flush_replay", "kda"): KernelConfig(16, 1, chunked=False, vec=4, maxnreg=128),
