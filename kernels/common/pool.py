@@ -58,7 +58,7 @@ class DecodePool:
         buf_w      [N, H, C, V]
         buf_decay  [N, H, C] fp32, or [N, H, C, K] for KDA
         buf_beta   [N, H, C] fp32 (delta rules), else None
-        buf_logdecay [N, H, C, K] bf16, KDA with a low-precision read copy (not fp32): log₂ of the
+        buf_logdecay [N, H, C, K] bf16, KDA unless the read copy is fp32: log₂ of the
                    buffered decays, which the reads use instead of ``buf_decay`` (half its bytes,
                    which are half a KDA token's; a product of decays then carries a relative error of
                    at most |log₂ of the product| · 2⁻⁹ · ln 2, below a bf16 read's own). The flush
