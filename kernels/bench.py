@@ -57,7 +57,8 @@ MODEL_SHAPES = {
     "mamba2": ModelShape("Nemotron-3-Nano Mamba-2", heads=64, groups=8, key_dim=128, value_dim=64),
 }
 
-READ_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# read copy / sketch precisions (fp8 = e4m3, stored saturated at ±448 as the flush writes it)
+READ_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
 
 # Launch shapes tried with ``tune=True``, per candidate group and family; block_v is clipped to V.
 # The standard step keeps the shape tuned earlier (BENCHMARKS.md). Shapes that lost in every H200 run
@@ -404,7 +405,7 @@ def run_bench(
     """Time the decode kernels of ``family`` at ``batch`` sequences; see the module docstring.
 
     ``rank`` is the mean per-head rank (spread by :func:`rank_spread`; 0 = all heads dense),
-    ``window`` the window length L, ``read_dtype`` the read copy's dtype (``bf16`` or ``fp32``),
+    ``window`` the window length L, ``read_dtype`` the read copy's dtype (``bf16``, ``fp32`` or ``fp8``),
     ``pools`` the number of state pools rotated through (≥ 4 keeps the L2 cold), ``tune`` tries
     the launch shapes in ``TUNE_CANDIDATES`` first and keeps the fastest; ``candidates`` (with
     ``tune``) replaces those lists: only the kernels it names (of ``TUNED_KERNELS``) are tuned, the
@@ -452,8 +453,8 @@ def run_bench(
         )
         pool.state.normal_(0.0, 0.3)
         pool.read.copy_(pool.state)
-        if pool.sketch is not None:
-            pool.sketch.normal_(0.0, 0.3)
+        if pool.sketch is not None:  # (drawn in fp32: torch has no fp8 normal_)
+            pool.sketch.copy_(0.3 * torch.randn(pool.sketch.shape, device=dev))
         return pool
 
     plist = [make_pool() for _ in range(pools)]

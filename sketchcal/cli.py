@@ -169,7 +169,9 @@ def bench(
     batch: Annotated[int, typer.Option(help="Sequences per decode step")] = 256,
     rank: Annotated[float, typer.Option(help="Mean sketch rank (realistic per-head spread)")] = 8,
     window: Annotated[int, typer.Option(help="Window length L")] = 16,
-    read_dtype: Annotated[str, typer.Option(help="Read copy precision: bf16 or fp32")] = "bf16",
+    read_dtype: Annotated[
+        str, typer.Option(help="Read copy and sketch precision: bf16, fp32 or fp8 (e4m3)")
+    ] = "bf16",
     pools: Annotated[int, typer.Option(help="State pools rotated for a cold L2")] = 4,
     tune: Annotated[bool, typer.Option(help="Tune launch shapes first")] = False,
     json_out: Annotated[Path | None, typer.Option(help="Also write the results as JSON")] = None,

@@ -19,6 +19,15 @@ from sketchcal.kernels.common.recurrence import StepInputs, product_form_read, r
 F64 = torch.float64
 
 
+def _stored(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` as stored in a read copy or sketch of ``dtype``: rounded to nearest even; fp8 saturates
+    at its largest finite value, as the kernels' conversion does."""
+    if dtype.itemsize == 1 and dtype.is_floating_point:
+        fmax = torch.finfo(dtype).max
+        t = t.clamp(-fmax, fmax)
+    return t.to(dtype)
+
+
 def _family(name: str):
     from sketchcal.kernels.common import family
 
@@ -183,12 +192,12 @@ def flush(
         if pool.read is not None:
             rows = [pool.state.shape[2]] * pool.heads if tables is None else tables.read_rows.tolist()
             for h, r in enumerate(rows):
-                pool.read[s, h, :r] = st[h, :r].to(pool.read.dtype)
+                pool.read[s, h, :r] = _stored(st[h, :r], pool.read.dtype)
         if tables is not None and pool.sketch is not None:
             per_group = pool.heads // tables.frames.shape[0]
             for h, m in enumerate(tables.ranks.tolist()):
                 if m > 0:
                     frame = tables.frames[h // per_group, :m].to(F64)
-                    pool.sketch[s, h, :m] = (frame @ st[h]).to(pool.sketch.dtype)
+                    pool.sketch[s, h, :m] = _stored(frame @ st[h], pool.sketch.dtype)
     return out
 

@@ -94,7 +94,7 @@ def _touched(t, index=None) -> int:
     return part.numel() * part.element_size()
 
 
-@pytest.mark.parametrize("read_dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("read_dtype", ["bf16", "fp32", "fp8"])
 @pytest.mark.parametrize("family", ["gdn", "kda", "mamba2"])
 def test_byte_model_counts_the_tensors_each_call_touches(family, read_dtype):
     """The benchmark's byte model against a count over the tensors of a real pool: a read of p
@@ -128,3 +128,13 @@ def test_byte_model_counts_the_tensors_each_call_touches(family, read_dtype):
                  for t in (pool.buf_k, pool.buf_w, pool.buf_decay, pool.buf_beta))
     assert bm.flush(n, sketch=False) == 2 * _touched(pool.state) + _touched(pool.read) + folded + inputs
     assert bm.standard() == 2 * _touched(pool.state) + inputs
+
+
+def test_fp8_read_copy_dry_run():
+    """The benchmark builds and runs fp8 (e4m3) pools: read copy and sketch."""
+    shape = bench.ModelShape("tiny", heads=2, groups=2, key_dim=16, value_dim=V)
+    r = bench.run_bench("kda", 2, rank=4, window=3, read_dtype="fp8", pools=1, shape=shape, anchor=False,
+                        replays=1, _cpu_dry_run=True)
+    assert r["ops"]["replay_step"]["bytes"] < bench.run_bench(
+        "kda", 2, rank=4, window=3, pools=1, shape=shape, anchor=False, replays=1, _cpu_dry_run=True
+    )["ops"]["replay_step"]["bytes"]
