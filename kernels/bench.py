@@ -210,28 +210,30 @@ class ByteModel:
         s = self.shape
         return s.heads, s.groups, s.key_dim, s.value_dim
 
-    def token(self) -> int:
-        """One token's inputs (k, w, decay, beta) as buffered, per sequence; for KDA with a
-        low-precision read copy, also the bf16 log₂ of its decays (``DecodePool.buf_logdecay``)."""
+    def _entry(self, decay_bytes: int) -> int:
+        """One token's k, w and beta, per sequence, plus ``decay_bytes`` per decay value."""
         h, g, kd, vd = self._h
-        decay = h * kd * 4 if self.family == "kda" else h * 4
+        decays = h * kd if self.family == "kda" else h
         beta = 0 if self.family == "mamba2" else h * 4
-        return g * kd * self.input_bytes + h * vd * self.input_bytes + decay + beta + self._log_decay()
+        return g * kd * self.input_bytes + h * vd * self.input_bytes + decays * decay_bytes + beta
 
-    def _log_decay(self) -> int:
-        h, _, kd, _ = self._h
-        return h * kd * 2 if self.family == "kda" and self.read_bytes < 4 else 0
+    @property
+    def _log2_decays(self) -> bool:
+        """KDA pools keep bf16 log₂ decays for the reads unless the read copy is fp32."""
+        return self.family == "kda" and self.read_bytes < 4
+
+    def token(self) -> int:
+        """One token as a step appends it to the buffer: fp32 decays, and their bf16 log₂ where the
+        pool keeps them (``DecodePool.buf_logdecay``)."""
+        return self._entry(4 + (2 if self._log2_decays else 0))
 
     def read_token(self) -> int:
-        """One buffered token as a read loads it: KDA's reads take the log₂ decays, not the fp32
-        ones (with a low-precision read copy)."""
-        h, _, kd, _ = self._h
-        fp32_decays = h * kd * 4 if self._log_decay() else 0
-        return self.token() - fp32_decays
+        """One buffered token as a read loads it (the log₂ decays where the pool keeps them)."""
+        return self._entry(2 if self._log2_decays else 4)
 
     def flush_token(self) -> int:
-        """One buffered token as the flush loads it (the fp32 decays)."""
-        return self.token() - self._log_decay()
+        """One buffered token as the flush loads it, or a new token's inputs: fp32 decays."""
+        return self._entry(4)
 
     def io(self) -> int:
         """Inputs read and outputs written by one call for one token, per sequence."""

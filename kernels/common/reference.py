@@ -21,7 +21,9 @@ F64 = torch.float64
 
 def _stored(t: Tensor, dtype: torch.dtype) -> Tensor:
     """``t`` as stored in a read copy or sketch of ``dtype``: rounded to nearest even; fp8 saturates
-    at its largest finite value, as the kernels' conversion does."""
+    at its largest finite value, as the kernels' conversion does (the rule of
+    ``sketchcal.runtime.precision.store``, not imported: the kernels run without the runtime's
+    transformers dependency)."""
     if dtype.itemsize == 1 and dtype.is_floating_point:
         fmax = torch.finfo(dtype).max
         t = t.clamp(-fmax, fmax)

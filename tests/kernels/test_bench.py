@@ -102,7 +102,8 @@ def test_byte_model_counts_the_tensors_each_call_touches(family, read_dtype):
     from sketchcal.kernels.common.pool import allocate_pool, random_sketch, rank_spread
     from sketchcal.kernels.common.testing import random_inputs
 
-    h, g, kd, vd, batch, cap = 4, 2 if family != "kda" else 4, 16, 8, 3, 6
+    h, kd, vd, batch, cap = 4, 16, 8, 3, 6
+    g = h if family == "kda" else 2
     shape = bench.ModelShape("tiny", heads=h, groups=g, key_dim=kd, value_dim=vd)
     ranks = rank_spread(h, 8, kd)
     rd = bench.READ_DTYPES[read_dtype]
