@@ -590,11 +590,9 @@ def _read_kernel(
         st0 = tl.zeros([8, BV], dtype=tl.float32)
     hb = (s * H + i_h) * C  # this head's first buffer entry
     gb = (s * G + i_g) * C  # this group's first buffer entry
+    read_decays = buf_logdecay if LOG2_DECAY else buf_decay  # the buffered decays as the sweep reads them
     if PREFETCH:
-        _prefetch_buffer(
-            buf_k, buf_w, buf_logdecay if LOG2_DECAY else buf_decay, buf_beta, hb, gb, p, i_v * BV, K, V, BV,
-            C, FAMILY,
-        )
+        _prefetch_buffer(buf_k, buf_w, read_decays, buf_beta, hb, gb, p, i_v * BV, K, V, BV, C, FAMILY)
     # append the T new tokens at p, p+1, ...: each program writes its w tile; the first tile writes
     # decay and beta, and the first head of the group its k. Reads below touch entries < p only.
     for t in tl.static_range(T):
@@ -629,7 +627,7 @@ def _read_kernel(
     DS: tl.constexpr = K if FAMILY == 2 else 1  # decay entries per token
     k_g = buf_k + gb * K
     w_h = buf_w + hb * V
-    decay_h = (buf_logdecay if LOG2_DECAY else buf_decay) + hb * DS
+    decay_h = read_decays + hb * DS
     beta_h = buf_beta + hb
     o_c = tl.arange(0, BC)
     if FAMILY != 2 and CHUNKED:

@@ -114,8 +114,7 @@ def test_byte_model_counts_the_tensors_each_call_touches(family, read_dtype):
     bm = bench.ByteModel(family, batch, shape, ranks, read_bytes=rd.itemsize)
     inputs = sum(_touched(t) for t in (x.k, x.q, x.w, x.decay, x.beta, x.skip)) + _touched(x.w)  # + out
     entry = (slice(None), slice(None), 3)  # one buffer entry of every slot
-    appended = sum(_touched(t, entry) for t in pool.tensors().values() if t.dim() > 2 and t is not pool.state
-                   and t is not pool.read and t is not pool.sketch)
+    appended = sum(_touched(t, entry) for name, t in pool.tensors().items() if name.startswith("buf"))
     read_decays = pool.buf_logdecay if pool.buf_logdecay is not None else pool.buf_decay
     sketch_rows = sum(_touched(pool.sketch, (slice(None), head, slice(0, m))) for head, m in enumerate(ranks))
     maps = sum(ranks) * kd * 4  # read once for the whole batch
