@@ -8,7 +8,12 @@ For one family and batch size it times, side by side in one run:
 - the ReplaySSM window: (L − 1) replay steps + 1 flush, and the SketchSSM window: (L − 1)
   sketch steps + 1 flush (which also writes the sketch R_{:m} S_c), each per window and per
   component;
-- a device-to-device copy (bytes read + bytes written), the bandwidth ceiling.
+- a device-to-device copy (bytes read + bytes written), the bandwidth ceiling;
+- with ``staggered``, both windows again with the sequences' windows in staggered phases (each
+  step flushes the ~B/L sequences at the end of theirs and reads the others; the flush on a side
+  stream beside the reads, and after them), as continuous batching leaves them unless the engine
+  aligns its flushes. Aligned is faster on the H200 (BENCHMARKS.md): one flush of the whole batch
+  runs nearer the bandwidth than L flushes of B/L sequences.
 
 Every timing replays a CUDA graph over ``pools`` (≥ 4) independent state pools in turn, so the
 state is never L2-resident. Bytes follow the project's byte model (each tensor read or written
@@ -18,6 +23,7 @@ Speedup = L · standard ÷ window.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import statistics
@@ -26,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 import torch
+from torch import Tensor
 
 from sketchcal.errors import SketchcalError
 from sketchcal.kernels.common import decode
@@ -374,17 +381,26 @@ def _mamba_raw(xs: list[StepInputs], heads: int, device) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 
-def _configs(family: str, configs: dict[str, KernelConfig] | None) -> dict[str, KernelConfig]:
-    d = decode.default_config
-    out = dict(
-        standard=d("standard", family),
-        replay=d("replay", family),
-        sketch=d("sketch", family),
-        flush_replay=d("flush_replay", family),
-        flush_sketch=d("flush_sketch", family),
-    )
+def _configs(
+    family: str, configs: dict[str, KernelConfig] | None, read_dtype: torch.dtype
+) -> dict[str, KernelConfig]:
+    out = {kernel: decode.default_config(kernel, family, read_dtype) for kernel in TUNED_KERNELS}
     out.update(configs or {})
     return out
+
+
+def staggered_schedule(slots: torch.Tensor, window: int) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """The steps of one window with the sequences' windows in staggered phases, as continuous
+    batching leaves them when an engine does not align its flushes: entry b starts its window at
+    step b mod L. Per step t: (the slots that flush, ending their window; the slots that read;
+    their ``pos``). Over the L steps each slot flushes once and reads once at each pos < L − 1."""
+    phase = torch.arange(len(slots), device=slots.device) % window
+    steps = []
+    for t in range(window):
+        p = ((t + phase) % window).to(torch.int32)
+        due = p == window - 1
+        steps.append((slots[due], slots[~due], p[~due].contiguous()))
+    return steps
 
 
 def run_bench(
@@ -402,6 +418,7 @@ def run_bench(
     candidates: dict[str, list[KernelConfig]] | None = None,
     replays: int = 10,
     seed: int = 0,
+    staggered: bool = False,
     _cpu_dry_run: bool = False,
 ) -> dict:
     """Time the decode kernels of ``family`` at ``batch`` sequences; see the module docstring.
@@ -464,7 +481,7 @@ def run_bench(
     outs = [torch.empty_like(xs[0].w) for _ in range(pools)]
     raw = _mamba_raw(xs, h, dev) if family == "mamba2" else {}
     timer = _Timer(cuda, replays)
-    cfg = _configs(family, configs)
+    cfg = _configs(family, configs, rd)
 
     def standard_fn(c: KernelConfig, steps: int = window) -> Callable[[], None]:
         def fn() -> None:
@@ -498,6 +515,41 @@ def run_bench(
                     tables=tables if sketch else None,
                     config=c,
                 )
+
+        return fn
+
+    lanes = [
+        (fl, random_inputs(family, len(fl), 1, h, g, kd, vd, device=dev),
+         rd, rp, random_inputs(family, len(rd), 1, h, g, kd, vd, device=dev))
+        for fl, rd, rp in staggered_schedule(slots, window)
+    ] if staggered else []
+    lane_outs = [[(torch.empty_like(fx.w), torch.empty_like(rx.w)) for _, fx, _, _, rx in lanes]
+                 for _ in plist]
+    side = torch.cuda.Stream() if cuda and staggered else None
+
+    def staggered_fn(sketch: bool, overlap: bool) -> Callable[[], None]:
+        """One window in staggered phases (:func:`staggered_schedule`): each step's flush on a side
+        stream beside its reads, forked and joined within the step (``overlap``), or before them."""
+        name = "sketch" if sketch else "replay"
+        c_read, c_flush = cfg[name], cfg[f"flush_{name}"]
+        tab = tables if sketch else None
+        last = pos[window - 1]
+
+        def fn() -> None:
+            fork = torch.cuda.current_stream() if overlap and side is not None else None
+            for t, (fslots, fx, rslots, rpos, rx) in enumerate(lanes):
+                for i, pool in enumerate(plist):
+                    fo, ro = lane_outs[i][t]
+                    if fork is not None:
+                        side.wait_stream(fork)
+                    with torch.cuda.stream(side) if fork is not None else contextlib.nullcontext():
+                        if len(fslots):
+                            decode.flush(family, pool, fslots, last[: len(fslots)], fx, fo, tables=tab,
+                                         config=c_flush)
+                    if len(rslots):
+                        decode.spec_verify(family, pool, rslots, rpos, rx, ro, tables=tab, config=c_read)
+                    if fork is not None:
+                        fork.wait_stream(side)
 
         return fn
 
@@ -573,6 +625,10 @@ def run_bench(
         flush_us = timer(flush_fn(sketch, cfg[f"flush_{name}"]), pools)
         record(f"{name}_flush", flush_us, bm.flush(window - 1, sketch))
         record(f"{name}_window", timer(window_fn(sketch), pools), bm.window(window, sketch))
+        if staggered:
+            for suffix, overlap in (("staggered", True), ("staggered_serial", False)):
+                us = timer(staggered_fn(sketch, overlap), pools)
+                record(f"{name}_{suffix}", us, bm.window(window, sketch))
     std_window = window * ops["standard"]["us"]
     result = dict(
         family=family,
@@ -600,6 +656,7 @@ def run_bench(
             sketch_vs_standard=std_window / ops["sketch_window"]["us"],
             sketch_vs_replay=ops["replay_window"]["us"] / ops["sketch_window"]["us"],
             standard_vs_anchor=(ops["anchor"]["us"] / ops["standard"]["us"]) if "anchor" in ops else None,
+            **{f"{op}_vs_standard": std_window / ops[op]["us"] for op in ops if "_staggered" in op},
         ),
     )
     return result
@@ -630,6 +687,13 @@ def print_bench(result: dict, console=None) -> None:
         f"{s['sketch_vs_standard']:.2f}× (sketch vs replay {s['sketch_vs_replay']:.2f}×); "
         + (f"anchor/standard time {anchor:.2f}" if anchor else f"anchor: {result['anchor_note']}")
     )
+    if "sketch_staggered_vs_standard" in s:
+        console.print(
+            f"staggered phases (each step flushes ~B/L slots beside the others' reads): replay "
+            f"{s['replay_staggered_vs_standard']:.2f}×, sketch {s['sketch_staggered_vs_standard']:.2f}× "
+            f"(flush after the reads: {s['replay_staggered_serial_vs_standard']:.2f}×, "
+            f"{s['sketch_staggered_serial_vs_standard']:.2f}×)"
+        )
 
 
 def main(
@@ -641,9 +705,10 @@ def main(
     pools: int = 4,
     tune: bool = False,
     json_out: str | None = None,
+    staggered: bool = False,
 ) -> dict:
     """Entry point for the ``sketchcal bench`` command: run, print the table, optionally save JSON."""
-    result = run_bench(family, batch, rank, window, read_dtype, pools, tune=tune)
+    result = run_bench(family, batch, rank, window, read_dtype, pools, tune=tune, staggered=staggered)
     print_bench(result)
     if json_out:
         from sketchcal.fsutil import write_bytes

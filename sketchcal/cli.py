@@ -175,13 +175,17 @@ def bench(
     pools: Annotated[int, typer.Option(help="State pools rotated for a cold L2")] = 4,
     tune: Annotated[bool, typer.Option(help="Tune launch shapes first")] = False,
     json_out: Annotated[Path | None, typer.Option(help="Also write the results as JSON")] = None,
+    staggered: Annotated[
+        bool, typer.Option(help="Also time windows in staggered phases (each step flushes ~B/L sequences)")
+    ] = False,
 ) -> None:
     """Time the decode kernels (standard, replay, sketch, public anchor) on a CUDA device."""
     from sketchcal.kernels.bench import main as run
 
     if family not in ("mamba2", "gdn", "kda"):
         raise SketchcalError(f"unknown --family {family!r}; choose mamba2, gdn or kda")
-    run(family, batch, rank, window, read_dtype, pools, tune, None if json_out is None else str(json_out))
+    run(family, batch, rank, window, read_dtype, pools, tune, None if json_out is None else str(json_out),
+        staggered)
 
 
 @app.command()

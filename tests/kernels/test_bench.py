@@ -138,3 +138,55 @@ def test_fp8_read_copy_dry_run():
     assert r["ops"]["replay_step"]["bytes"] < bench.run_bench(
         "kda", 2, rank=4, window=3, pools=1, shape=shape, anchor=False, replays=1, _cpu_dry_run=True
     )["ops"]["replay_step"]["bytes"]
+
+
+@pytest.mark.parametrize(("batch", "window"), [(5, 4), (16, 16), (33, 16), (3, 8)])
+def test_staggered_schedule_walks_every_slot_through_one_window(batch, window):
+    """Against a per-slot counter stepped by hand: slot b starts at pos b mod L, reads and moves on,
+    or flushes at pos L − 1 and starts over; each step's flush and read sets split the batch."""
+    import torch
+
+    slots = torch.arange(100, 100 + batch, dtype=torch.int32)
+    pos = {int(s): b % window for b, s in enumerate(slots)}
+    flushes = dict.fromkeys(pos, 0)
+    for fslots, rslots, rpos in bench.staggered_schedule(slots, window):
+        assert sorted(fslots.tolist() + rslots.tolist()) == sorted(pos)
+        assert all(pos[s] == window - 1 for s in fslots.tolist())
+        assert rpos.tolist() == [pos[s] for s in rslots.tolist()] and rpos.dtype == torch.int32
+        for s in pos:
+            flushes[s] += s in fslots.tolist()
+            pos[s] = 0 if pos[s] == window - 1 else pos[s] + 1
+    assert all(n == 1 for n in flushes.values())
+    assert pos == {int(s): b % window for b, s in enumerate(slots)}  # a whole window: back to the start
+
+
+def test_staggered_dry_run_times_both_schedules_and_counts_a_window_of_bytes():
+    shape = bench.ModelShape("tiny", heads=2, groups=1, key_dim=16, value_dim=V)
+    r = bench.run_bench("mamba2", 5, rank=4, window=4, pools=1, shape=shape, anchor=False, replays=1,
+                        staggered=True, _cpu_dry_run=True)
+    o = r["ops"]
+    for mode in ("replay", "sketch"):
+        for op in (f"{mode}_staggered", f"{mode}_staggered_serial"):
+            assert o[op]["bytes"] == o[f"{mode}_window"]["bytes"]  # every slot still does one window
+            assert r["speedups"][f"{op}_vs_standard"] == pytest.approx(
+                4 * o["standard"]["us"] / o[op]["us"], rel=1e-6
+            )
+    assert "replay_staggered" not in bench.run_bench(
+        "mamba2", 2, rank=4, window=2, pools=1, shape=shape, anchor=False, replays=1, _cpu_dry_run=True
+    )["ops"]
+
+
+def test_fp8_pools_take_the_shapes_tuned_for_fp8():
+    """An fp8 read copy gets ``FP8_CONFIGS`` where there is one, the bf16 defaults elsewhere; the
+    benchmark reports the shapes the kernels will use."""
+    import torch
+
+    fp8 = bench.READ_DTYPES["fp8"]
+    assert decode.FP8_CONFIGS, "nothing tuned for fp8"
+    for (kernel, family), cfg in decode.FP8_CONFIGS.items():
+        assert cfg != decode.DEFAULT_CONFIGS[(kernel, family)]
+        assert decode.default_config(kernel, family, fp8) == cfg
+        for other in (None, torch.bfloat16, torch.float32):
+            assert decode.default_config(kernel, family, other) == decode.DEFAULT_CONFIGS[(kernel, family)]
+        assert bench._configs(family, None, fp8)[kernel] == cfg
+    assert bench._configs("gdn", None, fp8)["sketch"] == decode.DEFAULT_CONFIGS[("sketch", "gdn")]
