@@ -11,9 +11,9 @@ For one family and batch size it times, side by side in one run:
 - a device-to-device copy (bytes read + bytes written), the bandwidth ceiling;
 - with ``staggered``, both windows again with the sequences' windows in staggered phases (each
   step flushes the ~B/L sequences at the end of theirs and reads the others; the flush on a side
-  stream beside the reads, and after them), as continuous batching leaves them unless the engine
-  aligns its flushes. Aligned is faster on the H200 (BENCHMARKS.md): one flush of the whole batch
-  runs nearer the bandwidth than L flushes of B/L sequences.
+  stream beside the reads, and before them on one stream), as continuous batching leaves them
+  unless the engine aligns its flushes. Aligned is faster on the H200 (BENCHMARKS.md): one flush
+  of the whole batch runs nearer the bandwidth than L flushes of B/L sequences.
 
 Every timing replays a CUDA graph over ``pools`` (≥ 4) independent state pools in turn, so the
 state is never L2-resident. Bytes follow the project's byte model (each tensor read or written
@@ -519,9 +519,9 @@ def run_bench(
         return fn
 
     lanes = [
-        (fl, random_inputs(family, len(fl), 1, h, g, kd, vd, device=dev),
-         rd, rp, random_inputs(family, len(rd), 1, h, g, kd, vd, device=dev))
-        for fl, rd, rp in staggered_schedule(slots, window)
+        (fs, random_inputs(family, len(fs), 1, h, g, kd, vd, device=dev),
+         rs, rp, random_inputs(family, len(rs), 1, h, g, kd, vd, device=dev))
+        for fs, rs, rp in staggered_schedule(slots, window)
     ] if staggered else []
     lane_outs = [[(torch.empty_like(fx.w), torch.empty_like(rx.w)) for _, fx, _, _, rx in lanes]
                  for _ in plist]
@@ -691,7 +691,7 @@ def print_bench(result: dict, console=None) -> None:
         console.print(
             f"staggered phases (each step flushes ~B/L slots beside the others' reads): replay "
             f"{s['replay_staggered_vs_standard']:.2f}×, sketch {s['sketch_staggered_vs_standard']:.2f}× "
-            f"(flush after the reads: {s['replay_staggered_serial_vs_standard']:.2f}×, "
+            f"(flush, then the reads, on one stream: {s['replay_staggered_serial_vs_standard']:.2f}×, "
             f"{s['sketch_staggered_serial_vs_standard']:.2f}×)"
         )
 
