@@ -5,6 +5,7 @@ from dataclasses import asdict, astuple, replace
 from dataclasses import fields as dataclass_fields
 
 import pytest
+import torch
 
 from sketchcal.errors import SketchcalError
 from sketchcal.kernels import bench
@@ -144,8 +145,6 @@ def test_fp8_read_copy_dry_run():
 def test_staggered_schedule_walks_every_slot_through_one_window(batch, window):
     """Against a per-slot counter stepped by hand: slot b starts at pos b mod L, reads and moves on,
     or flushes at pos L − 1 and starts over; each step's flush and read sets split the batch."""
-    import torch
-
     slots = torch.arange(100, 100 + batch, dtype=torch.int32)
     pos = {int(s): b % window for b, s in enumerate(slots)}
     flushes = dict.fromkeys(pos, 0)
@@ -179,8 +178,6 @@ def test_staggered_dry_run_times_both_schedules_and_counts_a_window_of_bytes():
 def test_fp8_pools_take_the_shapes_tuned_for_fp8():
     """An fp8 read copy gets ``FP8_CONFIGS`` where there is one, the bf16 defaults elsewhere; the
     benchmark reports the shapes the kernels will use."""
-    import torch
-
     fp8 = bench.READ_DTYPES["fp8"]
     assert decode.FP8_CONFIGS, "nothing tuned for fp8"
     for (kernel, family), cfg in decode.FP8_CONFIGS.items():
