@@ -99,8 +99,9 @@ TUNE_CANDIDATES: dict[str, dict[str, list[KernelConfig]]] = {
     },
     "flush": {
         # the chunked (tensor-core) flush on Sᵀ tiles (a register cap trades a few spills for more
-        # resident warps), and the token-by-token sweeps
-        "mamba2": [_K(64, 4), _K(64, 4, maxnreg=128), _K(64, 4, maxnreg=120), _K(16, 1, False, 2, 96)],
+        # resident warps), Mamba-2's persistent Gluon form of it, and the token-by-token sweeps
+        "mamba2": [_K(64, 4), _K(64, 4, maxnreg=128), _K(64, 4, maxnreg=120), _K(16, 1, False, 2, 96),
+                   _K(64, 4, maxnreg=168, pipelined=3), _K(64, 4, maxnreg=128, pipelined=4)],
         "gdn": [_K(64, 4, maxnreg=168), _K(16, 1, False, 4), _K(16, 1, False, 2),
                 _K(16, 1, False, 2, prefetch=True)],
         "kda": [_K(16, 1, False, 4, 128), _K(16, 1, False, 2), _K(32, 2, False, 4)],
@@ -113,11 +114,11 @@ TUNED_KERNELS = ("standard", "replay", "sketch", "flush_replay", "flush_sketch")
 
 def parse_config(text: str) -> KernelConfig:
     """A launch shape from its short form ``BV,WARPS[,sweep|chunked][,vec=N][,cap=N][,group=N]
-    [,rows=N][,late_map][,prefetch]``, e.g. ``16,1,sweep,vec=2`` or ``64,4,cap=128``: the fields
-    and names of BENCHMARKS.md's shape tables (``cap`` is ``maxnreg``, ``rows`` is
-    ``dense_rows``)."""
+    [,rows=N][,pipe=N][,late_map][,prefetch]``, e.g. ``16,1,sweep,vec=2`` or ``64,4,cap=128``: the
+    fields and names of BENCHMARKS.md's shape tables (``cap`` is ``maxnreg``, ``rows`` is
+    ``dense_rows``, ``pipe`` is ``pipelined``)."""
     words = [w.strip() for w in text.split(",") if w.strip()]
-    keys = {"vec": "vec", "cap": "maxnreg", "group": "group", "rows": "dense_rows"}
+    keys = {"vec": "vec", "cap": "maxnreg", "group": "group", "rows": "dense_rows", "pipe": "pipelined"}
     try:
         bv, warps, *rest = words
         opts = {keys[k]: int(v) for k, v in (w.split("=", 1) for w in rest if "=" in w)}
@@ -129,7 +130,7 @@ def parse_config(text: str) -> KernelConfig:
     except (ValueError, KeyError) as err:
         raise SketchcalError(
             f"launch shape {text!r}: expected BV,WARPS[,sweep|chunked][,vec=N][,cap=N][,group=N]"
-            f"[,rows=N][,late_map][,prefetch] ({err})"
+            f"[,rows=N][,pipe=N][,late_map][,prefetch] ({err})"
         ) from None
 
 

@@ -5,7 +5,7 @@ Run from the repository root with the package installed (``pip install -e .``)::
     python kernels/resources.py                 # every kernel, default launch shapes, sm_90
     python kernels/resources.py read gdn 64 1 sweep   # one build: kernel family BV warps [sweep] [replay]
                                                       # [vec=N] [cap=N] [group=N] [rows=N] [late_map]
-                                                      # [prefetch]
+                                                      # [prefetch] [pipe=N]
     python kernels/resources.py check           # compile every default and tuning candidate, both
                                                 # modes, 1 and 3 tokens; exit 1 if any fails
 
@@ -26,6 +26,7 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 
 from sketchcal.kernels.bench import MODEL_SHAPES, parse_config
 from sketchcal.kernels.common import decode as D
@@ -36,17 +37,20 @@ PTR = {
     "q": "*bf16", "k": "*bf16", "w": "*bf16", "skip": "*bf16", "out": "*bf16",
     "buf_k": "*bf16", "buf_w": "*bf16", "buf_logdecay": "*bf16", "rd": "*bf16", "sk": "*bf16",
     "frames": "*fp32", "maps": "*fp32",
-    "sk_head_stride": "i32",
+    "sk_head_stride": "i32", "n_items": "i32",
 }
 
 
-def _compile(fn, consts: dict, cfg: D.KernelConfig):
-    consts = dict(consts, PDL=True)  # as launched on a Hopper device: programmatic dependent launch
+def _compile(fn, consts: dict, cfg: D.KernelConfig, gluon: bool = False):
+    if not gluon:  # as launched on a Hopper device: programmatic dependent launch
+        consts = dict(consts, PDL=True)
     sig = {n: "constexpr" if n in consts else PTR.get(n, "*fp32") for n in fn.arg_names}
     # as at a real launch: every pointer (torch allocations) and the strides are 16-divisible
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in consts}
-    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=TARGET,
-                          options=dict(D._launch_options(cfg), launch_pdl=True))
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in consts and n != "n_items"}
+    source = (GluonASTSource if gluon else ASTSource)(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    options = D._launch_options(cfg) if gluon else dict(D._launch_options(cfg), launch_pdl=True)
+    return triton.compile(source, target=TARGET, options=options)
 
 
 def build(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True, tokens: int = 1):
@@ -66,6 +70,11 @@ def build(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True, to
                       **D._read_options(cfg, s.key_dim), **common)
         return _compile(D._read_kernel, consts, cfg)
     consts = dict(C=16, HAS_X=True, HAS_READ=True, ROWS=sketch, SKETCH_OUT=sketch, **common)
+    if cfg.pipelined and family == "mamba2":
+        from sketchcal.kernels.common import flush_pipelined as P
+
+        consts = {k: v for k, v in consts.items() if k not in ("BV", "FAMILY")}
+        return _compile(P._flush_pipelined_kernel, dict(consts, BC=16, SKETCH_TERMS=2), cfg, gluon=True)
     if cfg.chunked:
         consts.update(BC=16, LOG2_BC=4, K_BF16=True, SKETCH_TERMS=2, EMULATE=False)
         return _compile(D._flush_chunk_kernel, consts, cfg)
@@ -91,6 +100,7 @@ def report(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True) -
     warps = min(64, 32 * cfg.num_warps, (65536 // max(1, regs * 32)) // cfg.num_warps * cfg.num_warps)
     mode = ("sketch" if sketch else "replay") if kernel != "standard" else "-"
     form = "chunked" if cfg.chunked else "sweep"
+    form = f"pipe={cfg.pipelined}" if cfg.pipelined and kernel == "flush" and family == "mamba2" else form
     extra = (f" vec={cfg.vec}" if cfg.vec else "") + (f" cap={cfg.maxnreg}" if cfg.maxnreg else "")
     extra += f" group={cfg.group}" if cfg.group else ""
     extra += f" rows={cfg.dense_rows}" if cfg.dense_rows else ""

@@ -98,7 +98,11 @@ class KernelConfig:
     - ``prefetch`` (reads and the token-by-token flush, on a CUDA device) asks L2 for all the
       buffered tokens a program reads as it starts (``prefetch.global.L2``), so that its loop over
       them, which loads a token or a group ahead, finds them there rather than in DRAM. (The
-      chunked flush loads its buffer tiles at once anyway.)"""
+      chunked flush loads its buffer tiles at once anyway.)
+    - ``pipelined`` (Mamba-2 flushes, 0 = off) runs the flush as the persistent Gluon kernel of
+      :mod:`.flush_pipelined` on that many programs per SM (``num_warps`` each; ``block_v`` is
+      ignored: a program takes whole heads). It needs a CUDA device and bf16 buffered inputs;
+      elsewhere (the CPU interpreter, fp32 inputs) the flush takes the chunked kernel."""
 
     block_v: int
     num_warps: int
@@ -109,6 +113,7 @@ class KernelConfig:
     dense_rows: int = 0
     early_map: bool = True
     prefetch: bool = False
+    pipelined: int = 0
 
     def __post_init__(self) -> None:
         for name, zero_ok in (("block_v", False), ("num_warps", False), ("dense_rows", True)):
@@ -116,14 +121,15 @@ class KernelConfig:
             if n < 0 or n & (n - 1) or (n == 0 and not zero_ok):
                 allowed = "a power of two" + (" or 0" if zero_ok else "")
                 raise ValueError(f"KernelConfig.{name} must be {allowed}, got {n}")
-        if min(self.vec, self.maxnreg, self.group) < 0:
-            raise ValueError("KernelConfig.vec, maxnreg and group must be ≥ 0")
+        if min(self.vec, self.maxnreg, self.group, self.pipelined) < 0:
+            raise ValueError("KernelConfig.vec, maxnreg, group and pipelined must be ≥ 0")
 
 
 # Defaults by (kernel, family); ``block_v`` is clipped to V: the fastest launch shapes on an H200 at
 # batch 256 among ``bench.TUNE_CANDIDATES`` (BENCHMARKS.md, "Decode kernels"), checked there by the
 # ``gpu`` tests with exactly these shapes. The token-by-token forms won everywhere but the Mamba-2
-# flushes (chunked, on tensor cores). ``bench.run_bench(tune=True)`` re-picks them on another device.
+# flushes (on tensor cores, the persistent Gluon kernel of flush_pipelined: 3 programs per SM at 168
+# registers). ``bench.run_bench(tune=True)`` re-picks them on another device.
 DEFAULT_CONFIGS: dict[tuple[str, str], KernelConfig] = {
     ("standard", "mamba2"): KernelConfig(64, 4),
     ("standard", "gdn"): KernelConfig(64, 4),
@@ -138,10 +144,10 @@ DEFAULT_CONFIGS: dict[tuple[str, str], KernelConfig] = {
         128, 1, chunked=False, maxnreg=64, group=6, dense_rows=16, early_map=False, prefetch=True
     ),
     ("sketch", "kda"): KernelConfig(128, 1, maxnreg=64, group=2, dense_rows=16, early_map=False),
-    ("flush_replay", "mamba2"): KernelConfig(64, 4),
+    ("flush_replay", "mamba2"): KernelConfig(64, 4, maxnreg=168, pipelined=3),
     ("flush_replay", "gdn"): KernelConfig(16, 1, chunked=False, vec=2, prefetch=True),
     ("flush_replay", "kda"): KernelConfig(16, 1, chunked=False, vec=4, maxnreg=128),
-    ("flush_sketch", "mamba2"): KernelConfig(64, 4, maxnreg=128),
+    ("flush_sketch", "mamba2"): KernelConfig(64, 4, maxnreg=168, pipelined=3),
     ("flush_sketch", "gdn"): KernelConfig(16, 1, chunked=False, vec=2, prefetch=True),
     ("flush_sketch", "kda"): KernelConfig(16, 1, chunked=False, vec=4, maxnreg=128),
 }
@@ -998,6 +1004,12 @@ def _buffer_block(capacity: int) -> int:
     return max(CHUNK_MIN, next_pow2(capacity))
 
 
+def _pipelined(cfg: KernelConfig, family: str, pool: DecodePool) -> bool:
+    """Whether the flush runs as the persistent Gluon kernel (``KernelConfig.pipelined``)."""
+    return (cfg.pipelined > 0 and family == "mamba2" and pool.state.is_cuda and not _interpreting()
+            and pool.buf_k.dtype == pool.buf_w.dtype == torch.bfloat16)
+
+
 def _keys_bf16(pool: DecodePool) -> bool:
     """bf16 buffered keys enter tensor-core dots as they are (exact); others as 3xTF32."""
     return pool.buf_k.dtype == torch.bfloat16
@@ -1148,10 +1160,18 @@ def flush(
         SKETCH_OUT=sketch, **_launch_options(cfg, pool.state.device),
     )
     grid = (vd // bv, heads, b)
-    if cfg.chunked:
+    terms = 3 if sk.dtype == torch.float32 else 2  # a low-precision sketch: 2 bf16 terms (~16 bits)
+    if _pipelined(cfg, family, pool):
+        from sketchcal.kernels.common import flush_pipelined
+
+        flush_pipelined.launch(
+            args[:7] + args[8:13] + args[14:], H=heads, G=g, K=kd, V=vd, C=pool.capacity,
+            BC=_buffer_block(pool.capacity), HAS_X=common["HAS_X"], HAS_SKIP=common["HAS_SKIP"],
+            HAS_READ=common["HAS_READ"], ROWS=sketch, SKETCH_OUT=sketch, SKETCH_TERMS=terms, batch=b,
+            per_sm=cfg.pipelined, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
+        )
+    elif cfg.chunked:
         bc = _buffer_block(pool.capacity)
-        # a low-precision sketch is rounded to ≤ 8 mantissa bits anyway: 2 bf16 terms (~16 bits)
-        terms = 3 if sk.dtype == torch.float32 else 2
         _flush_chunk_kernel[grid](
             *args, BC=bc, LOG2_BC=bc.bit_length() - 1, K_BF16=_keys_bf16(pool), SKETCH_TERMS=terms,
             EMULATE=_interpreting(), **common,

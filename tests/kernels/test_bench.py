@@ -75,6 +75,7 @@ def test_bad_candidates_are_one_clear_error(candidates):
         ("128,1,sweep,cap=64,group=2,rows=16,late_map",
          KernelConfig(128, 1, chunked=False, maxnreg=64, group=2, dense_rows=16, early_map=False)),
         ("16,1,sweep,vec=2,prefetch", KernelConfig(16, 1, chunked=False, vec=2, prefetch=True)),
+        ("64,4,pipe=2,cap=168", KernelConfig(64, 4, pipelined=2, maxnreg=168)),
     ],
 )
 def test_parse_config(text, want):

@@ -336,6 +336,70 @@ def test_chunked_flush_gpu(family, shape, op, dtype):
     run_case(family, op, GPU_SHAPES[family], dtype, "cuda", seed=17, real=True, config=config, fp32_tol=1e-6)
 
 
+@pytest.mark.parametrize("op", ["flush", "flush_sketch"])
+def test_pipelined_flush_falls_back_on_the_cpu(op):
+    """The Gluon flush cannot run in the interpreter: asked for, the flush takes the chunked
+    kernel, which matches the reference."""
+    config = decode.KernelConfig(16, 1, pipelined=2)
+    h, g, kd, vd = CPU_SHAPES["mamba2"][0]
+    assert not decode._pipelined(config, "mamba2", random_pool("mamba2", 1, h, g, kd, vd, capacity=4))
+    run_case("mamba2", op, CPU_SHAPES["mamba2"][0], "bf16", "cpu", seed=3, config=config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [*DTYPES, "fp8"])
+@pytest.mark.parametrize("op", ["flush", "flush_sketch"])
+@pytest.mark.parametrize("shape", [(1, 0), (2, 0), (2, 168), (3, 0)])
+def test_pipelined_flush_gpu(shape, op, dtype):
+    """Mamba-2's persistent Gluon flush at the real shape, 1-3 programs per SM (a program walks
+    several heads, so the copy ring wraps), with and without a register cap, held to 1e-6 like the
+    chunked flush. fp32 inputs take the chunked kernel instead (checked here too)."""
+    per_sm, cap = shape
+    config = decode.KernelConfig(64, 4, pipelined=per_sm, maxnreg=cap)
+    h, g, kd, vd = GPU_SHAPES["mamba2"]
+    inputs = DTYPES.get(dtype, torch.bfloat16)
+    probe = random_pool("mamba2", 1, h, g, kd, vd, capacity=16, input_dtype=inputs, device="cuda")
+    assert decode._pipelined(config, "mamba2", probe) == (dtype != "fp32")
+    run_case("mamba2", op, GPU_SHAPES["mamba2"], dtype, "cuda", seed=19, real=True, config=config,
+             fp32_tol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["flush", "flush_sketch"])
+def test_pipelined_flush_many_heads_per_program_gpu(op):
+    """A batch of 64 on one program per SM: each program folds about 30 heads through its copy
+    ring, against the chunked flush on the same pool (which the test above holds to the
+    reference)."""
+    h, g, kd, vd = GPU_SHAPES["mamba2"]
+    gen = torch.Generator().manual_seed(23)
+    tables = random_sketch("mamba2", _ranks(h, kd, True), g, kd, gen).to("cuda")
+    sketch = op.endswith("sketch")
+    pool = random_pool("mamba2", 80, h, g, kd, vd, capacity=16, sketch_rows=tables.map_rows, device="cuda",
+                       generator=gen)
+    slots = torch.randperm(80, generator=gen)[:64].to(torch.int32).cuda()
+    slots[5] = -1
+    pos = torch.randint(0, 17, (64,), generator=gen, dtype=torch.int32).cuda()
+    x = random_inputs("mamba2", 64, 1, h, g, kd, vd, device="cuda", generator=gen)
+    results = []
+    for cfg in (decode.KernelConfig(64, 4), decode.KernelConfig(64, 4, pipelined=1)):
+        p, out = _clone(pool), torch.full_like(x.w, float("nan"))
+        decode.flush("mamba2", p, slots, pos, x, out, tables=tables if sketch else None, config=cfg)
+        results.append((p, out))
+    (want, o_want), (got, o_got) = results
+    live = slots >= 0
+    assert _rel(o_got[live], o_want[live]) <= 1e-2 and torch.isnan(o_got[~live].float()).all()
+    for f in ("state", "read", "sketch"):
+        a, b = getattr(got, f), getattr(want, f)
+        if a is not None:
+            tol = 1e-6 if a.dtype == torch.float32 else 1e-2
+            assert _rel(a, b) <= tol, f
+    assert torch.equal(got.state[pool_unaddressed(slots, 80)], pool.state[pool_unaddressed(slots, 80)])
+
+
+def pool_unaddressed(slots: torch.Tensor, n: int) -> list[int]:
+    return [s for s in range(n) if s not in slots.tolist()]
+
+
 def _candidates() -> list[tuple[str, str, decode.KernelConfig]]:
     from sketchcal.kernels.bench import TUNE_CANDIDATES
 

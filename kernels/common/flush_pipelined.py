@@ -1,0 +1,232 @@
+"""A persistent, software-pipelined chunked flush for Mamba-2, written in Gluon (CUDA only).
+
+Triton's chunked flush (``decode._flush_chunk_kernel``) runs one program per tile: it loads the
+tile, computes, then stores, so no load is in flight while a program computes, and at 16 resident
+warps per SM the flush waits on memory latency (BENCHMARKS.md). Here each program walks the heads
+``pid, pid + programs, …`` (work item = batch row × H + head). As soon as a head's state tile and
+buffer have moved from shared memory into registers, the program starts the next head's copies
+into the same shared memory (``cp.async``: no registers held), which then run while it folds and
+stores the current head.
+
+The math is the chunked flush's, for Mamba-2 (scalar decay per token, no delta rule): with the
+``n`` buffered tokens' keys ``K_b`` [BC, K] (bf16), values ``W`` [BC, V] and decays ``α``,
+
+    Sᵀ ← (α_0⋯α_{n−1}) Sᵀ + (g ⊙ W)ᵀ K_b,   g_j = α_{j+1}⋯α_{n−1},
+
+on tensor cores, ``(g ⊙ W)ᵀ`` split into three bf16 terms (exact to fp32 rounding), the tile
+``Sᵀ`` [V, K] the MMA accumulator. Then the flush's new token (optional), the state store, the
+read copy (replay mode: every head; sketch mode: the dense heads) and the sketch ``R_{:m} S``
+(``Sᵀ R_{:m}ᵀ``, bf16 splits on both sides).
+
+Gluon kernels cannot run in the CPU interpreter: the ``gpu`` tests hold this kernel to the float64
+reference (``decode.flush`` chooses it with ``KernelConfig.pipelined``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+# Gluon's names moved between Triton 3.6 (the device's) and 3.9 (the CPU machine's):
+# cp.async into shared memory is ``async_load`` since Triton 3.7
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+# a CTA-wide barrier: ``barrier`` since Triton 3.7
+_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
+
+@gluon.jit
+def _mul(a, b):
+    return a * b
+
+
+@gluon.jit
+def _split3(a):
+    """An fp32 tensor as three bf16 terms, largest first (their sum is exact to fp32 rounding)."""
+    a1 = a.to(gl.bfloat16)
+    rest = a - a1.to(gl.float32)
+    a2 = rest.to(gl.bfloat16)
+    a3 = (rest - a2.to(gl.float32)).to(gl.bfloat16)
+    return a1, a2, a3
+
+
+@gluon.jit
+def _issue(
+    state, buf_k, buf_w, slots, pos, item, n_items, s_smem, k_smem, w_smem,
+    H: gl.constexpr, G: gl.constexpr, K: gl.constexpr, V: gl.constexpr, C: gl.constexpr,
+    BC: gl.constexpr, LS: gl.constexpr, LB: gl.constexpr,
+):
+    """Start the copies of work item ``item`` (head ``item % H`` of batch row ``item // H``) into
+    shared memory: its state tile [K, V], buffered keys [BC, K] and values [BC, V] (rows ≥ n
+    zero-filled). A padding slot or an item past the end copies zeros. Returns (slot, n)."""
+    valid = item < n_items
+    it = gl.where(valid, item, 0)
+    i_b = it // H
+    i_h = it % H
+    s = gl.load(slots + i_b)
+    s = gl.where(valid, s, -1)
+    n = gl.load(pos + i_b)
+    live = s >= 0
+    s64 = gl.where(live, s, 0).to(gl.int64)
+    o_k = gl.arange(0, K, gl.SliceLayout(1, LS))
+    o_v = gl.arange(0, V, gl.SliceLayout(0, LS))
+    p_s = state + (s64 * H + i_h) * (K * V) + (o_k[:, None] * V + o_v[None, :])
+    m_s = (o_k[:, None] < gl.where(live, K, 0)) & (o_v[None, :] < V)
+    _async_load(s_smem, p_s, m_s)
+    nb = gl.where(live, n, 0)
+    o_c = gl.arange(0, BC, gl.SliceLayout(1, LB))
+    o_kb = gl.arange(0, K, gl.SliceLayout(0, LB))
+    p_k = buf_k + (s64 * G + i_h // (H // G)) * (C * K) + (o_c[:, None] * K + o_kb[None, :])
+    m_k = (o_c[:, None] < nb) & (o_kb[None, :] < K)
+    _async_load(k_smem, p_k, m_k)
+    o_vb = gl.arange(0, V, gl.SliceLayout(0, LB))
+    p_w = buf_w + (s64 * H + i_h) * (C * V) + (o_c[:, None] * V + o_vb[None, :])
+    m_w = (o_c[:, None] < nb) & (o_vb[None, :] < V)
+    _async_load(w_smem, p_w, m_w)
+    async_copy.commit_group()
+    return s, n
+
+
+@gluon.jit
+def _flush_pipelined_kernel(
+    state, slots, pos, q, k, w, decay, skip, out,
+    buf_k, buf_w, buf_decay,
+    rd, read_rows, sk, ranks, frames, sk_head_stride, n_items,
+    H: gl.constexpr, G: gl.constexpr, K: gl.constexpr, V: gl.constexpr, C: gl.constexpr,
+    BC: gl.constexpr, HAS_X: gl.constexpr, HAS_SKIP: gl.constexpr, HAS_READ: gl.constexpr,
+    ROWS: gl.constexpr, SKETCH_OUT: gl.constexpr, SKETCH_TERMS: gl.constexpr,
+):
+    WARPS: gl.constexpr = gl.num_warps()
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
+                                                  instr_shape=[16, 8])
+    A_OP: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
+    B_OP: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
+    # copies: 16 B per thread along the contiguous axis
+    LS: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [WARPS, 1], [1, 0])  # [K, V] fp32
+    LB: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])  # [BC, *] bf16
+    LT: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [WARPS, 1], [1, 0])  # [V, BC] math
+    LR: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [WARPS, 1], [1, 0])  # [16, K] rows of R
+    # swizzled so that the MMA layout's reads of Sᵀ (8 consecutive v for 4 k pairs per warp) and
+    # the operand reads of the buffers hit distinct banks
+    SS: gl.constexpr = gl.SwizzledSharedLayout(4, 1, 8, order=[1, 0])
+    SB: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, order=[1, 0])
+    s_smem = gl.allocate_shared_memory(gl.float32, [K, V], SS)
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SB)
+    w_smem = gl.allocate_shared_memory(gl.bfloat16, [BC, V], SB)
+
+    pid = gl.program_id(0)
+    progs = gl.num_programs(0)
+    o_km = gl.arange(0, K, gl.SliceLayout(0, MMA))
+    o_vm = gl.arange(0, V, gl.SliceLayout(1, MMA))
+    L1: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])  # the buffer's per-token scalars
+    o_c1 = gl.arange(0, BC, L1)
+    s_c, n_c = _issue(state, buf_k, buf_w, slots, pos, pid, n_items, s_smem, k_smem, w_smem,
+                      H, G, K, V, C, BC, LS, LB)
+    for item in range(pid, n_items, progs):
+        i_b = item // H
+        i_h = item % H
+        i_g = i_h // (H // G)
+        hb = (gl.where(s_c >= 0, s_c, 0).to(gl.int64) * H + i_h) * C
+        al = gl.load(buf_decay + hb + o_c1, mask=o_c1 < n_c, other=1.0)
+        al_next = gl.load(buf_decay + hb + o_c1 + 1, mask=o_c1 + 1 < n_c, other=1.0)
+        async_copy.wait_group(0)
+        _barrier()
+        St = s_smem.permute([1, 0]).load(MMA)  # Sᵀ [V, K]
+        kb = k_smem.load(B_OP)  # [BC, K]
+        wt = w_smem.permute([1, 0]).load(LT).to(gl.float32)  # Wᵀ [V, BC]
+        _barrier()
+        # the next head's copies run while this one is folded and stored
+        s_n, n_n = _issue(state, buf_k, buf_w, slots, pos, item + progs, n_items, s_smem, k_smem, w_smem,
+                          H, G, K, V, C, BC, LS, LB)
+        if s_c >= 0:
+            s64 = s_c.to(gl.int64)
+            g = gl.associative_scan(al_next, 0, _mul, reverse=True)
+            total = gl.sum(gl.where(o_c1 == 0, g * al, 0.0), axis=0)
+            a1, a2, a3 = _split3(wt * gl.convert_layout(g, gl.SliceLayout(0, LT))[None, :])
+            St = St * total
+            St = mma_v2(gl.convert_layout(a3, A_OP), kb, St)
+            St = mma_v2(gl.convert_layout(a2, A_OP), kb, St)
+            St = mma_v2(gl.convert_layout(a1, A_OP), kb, St)
+            if HAS_X:
+                xk = (i_b * G + i_g) * K
+                kk = gl.load(k + xk + o_km).to(gl.float32)
+                qq = gl.load(q + xk + o_km).to(gl.float32)
+                xw = (i_b * H + i_h) * V
+                ww = gl.load(w + xw + o_vm).to(gl.float32)
+                dd = gl.load(decay + i_b * H + i_h).to(gl.float32)
+                St = St * dd + ww[:, None] * kk[None, :]
+                o = gl.sum(St * qq[None, :], axis=1)
+                if HAS_SKIP:
+                    o += gl.load(skip + xw + o_vm).to(gl.float32)
+                gl.store(out + xw + o_vm, o.to(out.dtype.element_ty))
+            # one 64-bit base per head, 32-bit offsets within it
+            head = (s64 * H + i_h) * (K * V)
+            # through shared memory into rows of V: 16-byte stores, one address per 4 values
+            tile = gl.convert_layout(gl.permute(St, [1, 0]), LS)  # S [K, V]
+            o_ks = gl.arange(0, K, gl.SliceLayout(1, LS))
+            o_vs = gl.arange(0, V, gl.SliceLayout(0, LS))
+            offs = o_ks[:, None] * V + o_vs[None, :]
+            gl.store(state + head + offs, tile)
+            if HAS_READ:
+                if ROWS:
+                    if gl.load(read_rows + i_h) > 0:
+                        gl.store(rd + head + offs, tile.to(rd.dtype.element_ty))
+                else:
+                    gl.store(rd + head + offs, tile.to(rd.dtype.element_ty))
+            if SKETCH_OUT:
+                m = gl.load(ranks + i_h)
+                o_r = gl.arange(0, 16, gl.SliceLayout(1, LR))
+                o_kt = gl.arange(0, K, gl.SliceLayout(0, LR))
+                o_rm = gl.arange(0, 16, gl.SliceLayout(0, MMA))
+                for r0 in range(0, m, 16):
+                    rows = (r0 + o_r[:, None]) < m
+                    rm = gl.load(frames + (i_g * K + r0 + o_r[:, None]) * K + o_kt[None, :],
+                                 mask=rows & (o_kt[None, :] < K), other=0.0)
+                    b1, b2, b3 = _split3(gl.permute(rm, [1, 0]))  # R_{r0:r0+16}ᵀ [K, 16]
+                    b1 = gl.convert_layout(b1, B_OP)
+                    b2 = gl.convert_layout(b2, B_OP)
+                    # the products of the terms of Sᵀ and Rᵀ down to 2⁻⁸⁽ᵀᴱᴿᴹˢ⁻¹⁾ of the largest, one
+                    # term of Sᵀ live at a time
+                    s1 = St.to(gl.bfloat16)
+                    a = gl.convert_layout(s1, A_OP)
+                    acc = mma_v2(a, b1, gl.zeros([V, 16], gl.float32, MMA))
+                    acc = mma_v2(a, b2, acc)
+                    if SKETCH_TERMS == 3:
+                        acc = mma_v2(a, gl.convert_layout(b3, B_OP), acc)
+                    rest = St - s1.to(gl.float32)
+                    s2 = rest.to(gl.bfloat16)
+                    a = gl.convert_layout(s2, A_OP)
+                    acc = mma_v2(a, b1, acc)
+                    if SKETCH_TERMS == 3:
+                        acc = mma_v2(a, b2, acc)
+                        a = gl.convert_layout((rest - s2.to(gl.float32)).to(gl.bfloat16), A_OP)
+                        acc = mma_v2(a, b1, acc)
+                    p_sk = sk + (s64 * H + i_h) * sk_head_stride + ((r0 + o_rm[None, :]) * V + o_vm[:, None])
+                    m_sk = (r0 + o_rm[None, :] < m) & (o_vm[:, None] < V)
+                    gl.store(p_sk, acc.to(sk.dtype.element_ty), mask=m_sk)
+        s_c, n_c = s_n, n_n
+    async_copy.wait_group(0)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def launch(args: tuple, *, H: int, G: int, K: int, V: int, C: int, BC: int, HAS_X: bool, HAS_SKIP: bool,
+           HAS_READ: bool, ROWS: bool, SKETCH_OUT: bool, SKETCH_TERMS: int, batch: int, per_sm: int,
+           num_warps: int, maxnreg: int = 0) -> None:
+    """Launch the kernel on ``per_sm`` programs per SM (at most one per work item). ``args``: the
+    chunked flush's arguments without ``beta``, ``buf_beta`` (Mamba-2 has none)."""
+    n_items = batch * H
+    dev = args[0].device
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    grid = (max(1, min(n_items, per_sm * _sm_count(index))),)
+    _flush_pipelined_kernel[grid](
+        *args, n_items, H=H, G=G, K=K, V=V, C=C, BC=BC, HAS_X=HAS_X, HAS_SKIP=HAS_SKIP, HAS_READ=HAS_READ,
+        ROWS=ROWS, SKETCH_OUT=SKETCH_OUT, SKETCH_TERMS=SKETCH_TERMS, num_warps=num_warps,
+        **({"maxnreg": maxnreg} if maxnreg else {}),
+    )
