@@ -101,8 +101,9 @@ class KernelConfig:
       chunked flush loads its buffer tiles at once anyway.)
     - ``pipelined`` (Mamba-2 flushes, 0 = off) runs the flush as the persistent Gluon kernel of
       :mod:`.flush_pipelined` on that many programs per SM (``num_warps`` each; ``block_v`` is
-      ignored: a program takes whole heads). It needs a CUDA device and bf16 buffered inputs;
-      elsewhere (the CPU interpreter, fp32 inputs) the flush takes the chunked kernel."""
+      ignored: a program takes whole heads). It needs a CUDA device, bf16 buffered inputs and a
+      Triton with Gluon (:func:`gluon_available`); elsewhere (the CPU interpreter, fp32 inputs) the
+      flush takes the chunked kernel."""
 
     block_v: int
     num_warps: int
@@ -1004,10 +1005,21 @@ def _buffer_block(capacity: int) -> int:
     return max(CHUNK_MIN, next_pow2(capacity))
 
 
+@functools.cache
+def gluon_available() -> bool:
+    """Whether this Triton has the Gluon names :mod:`.flush_pipelined` uses (Triton 3.6 and 3.9 do);
+    without them the Mamba-2 flushes take the chunked Triton kernel."""
+    try:
+        from sketchcal.kernels.common import flush_pipelined  # noqa: F401
+    except (ImportError, AttributeError):
+        return False
+    return True
+
+
 def _pipelined(cfg: KernelConfig, family: str, pool: DecodePool) -> bool:
     """Whether the flush runs as the persistent Gluon kernel (``KernelConfig.pipelined``)."""
     return (cfg.pipelined > 0 and family == "mamba2" and pool.state.is_cuda and not _interpreting()
-            and pool.buf_k.dtype == pool.buf_w.dtype == torch.bfloat16)
+            and pool.buf_k.dtype == pool.buf_w.dtype == torch.bfloat16 and gluon_available())
 
 
 def _keys_bf16(pool: DecodePool) -> bool:

@@ -8,6 +8,7 @@ and read copies in the fp32 cases), 1e-2 for bf16 outputs and read copies.
 """
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -334,6 +335,20 @@ def test_chunked_flush_gpu(family, shape, op, dtype):
     it: one-warp 16-column tiles and 4-warp 64-column tiles, held to 1e-6 like on the CPU."""
     config = decode.KernelConfig(*shape, chunked=True)
     run_case(family, op, GPU_SHAPES[family], dtype, "cuda", seed=17, real=True, config=config, fp32_tol=1e-6)
+
+
+def test_pipelined_flush_needs_gluon(monkeypatch):
+    """Where Triton has no Gluon, a CUDA pool's Mamba-2 flush takes the chunked kernel."""
+    bf16 = SimpleNamespace(dtype=torch.bfloat16)
+    cuda_pool = SimpleNamespace(state=SimpleNamespace(is_cuda=True), buf_k=bf16, buf_w=bf16)
+    config = decode.KernelConfig(64, 4, pipelined=3)
+    monkeypatch.setattr(decode, "_interpreting", lambda: False)
+    assert decode.gluon_available()  # this Triton has it: the CUDA pool would take the Gluon kernel
+    assert decode._pipelined(config, "mamba2", cuda_pool)
+    assert not decode._pipelined(config, "gdn", cuda_pool)
+    assert not decode._pipelined(replace(config, pipelined=0), "mamba2", cuda_pool)
+    monkeypatch.setattr(decode, "gluon_available", lambda: False)
+    assert not decode._pipelined(config, "mamba2", cuda_pool)
 
 
 @pytest.mark.parametrize("op", ["flush", "flush_sketch"])
