@@ -1177,7 +1177,7 @@ def flush(
         from sketchcal.kernels.common import flush_pipelined
 
         flush_pipelined.launch(
-            args[:7] + args[8:13] + args[14:], H=heads, G=g, K=kd, V=vd, C=pool.capacity,
+            args, H=heads, G=g, K=kd, V=vd, C=pool.capacity,
             BC=_buffer_block(pool.capacity), HAS_X=common["HAS_X"], HAS_SKIP=common["HAS_SKIP"],
             HAS_READ=common["HAS_READ"], ROWS=sketch, SKETCH_OUT=sketch, SKETCH_TERMS=terms, batch=b,
             per_sm=cfg.pipelined, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,

@@ -92,13 +92,15 @@ def _issue(
 
 @gluon.jit
 def _flush_pipelined_kernel(
-    state, slots, pos, q, k, w, decay, skip, out,
-    buf_k, buf_w, buf_decay,
+    state, slots, pos, q, k, w, decay, beta, skip, out,
+    buf_k, buf_w, buf_decay, buf_beta,
     rd, read_rows, sk, ranks, frames, sk_head_stride, n_items,
     H: gl.constexpr, G: gl.constexpr, K: gl.constexpr, V: gl.constexpr, C: gl.constexpr,
     BC: gl.constexpr, HAS_X: gl.constexpr, HAS_SKIP: gl.constexpr, HAS_READ: gl.constexpr,
     ROWS: gl.constexpr, SKETCH_OUT: gl.constexpr, SKETCH_TERMS: gl.constexpr,
 ):
+    """The flush over ``n_items`` work items (see the module docstring); the arguments are the
+    chunked flush's (``beta``, ``buf_beta``: unused, Mamba-2 has none)."""
     WARPS: gl.constexpr = gl.num_warps()
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
                                                   instr_shape=[16, 8])
@@ -219,8 +221,8 @@ def _sm_count(index: int) -> int:
 def launch(args: tuple, *, H: int, G: int, K: int, V: int, C: int, BC: int, HAS_X: bool, HAS_SKIP: bool,
            HAS_READ: bool, ROWS: bool, SKETCH_OUT: bool, SKETCH_TERMS: int, batch: int, per_sm: int,
            num_warps: int, maxnreg: int = 0) -> None:
-    """Launch the kernel on ``per_sm`` programs per SM (at most one per work item). ``args``: the
-    chunked flush's arguments without ``beta``, ``buf_beta`` (Mamba-2 has none)."""
+    """Launch the kernel on ``per_sm`` programs per SM (at most one per work item); ``args``: the
+    chunked flush's arguments (``decode.flush``)."""
     n_items = batch * H
     dev = args[0].device
     index = dev.index if dev.index is not None else torch.cuda.current_device()
