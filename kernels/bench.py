@@ -101,7 +101,7 @@ TUNE_CANDIDATES: dict[str, dict[str, list[KernelConfig]]] = {
         # the chunked (tensor-core) flush on Sᵀ tiles (a register cap trades a few spills for more
         # resident warps), Mamba-2's persistent Gluon form of it, and the token-by-token sweeps
         "mamba2": [_K(64, 4), _K(64, 4, maxnreg=128), _K(64, 4, maxnreg=120), _K(16, 1, False, 2, 96),
-                   _K(64, 4, maxnreg=168, pipelined=3), _K(64, 4, maxnreg=128, pipelined=4)],
+                   _K(64, 4, maxnreg=168, pipelined=3)],
         "gdn": [_K(64, 4, maxnreg=168), _K(16, 1, False, 4), _K(16, 1, False, 2),
                 _K(16, 1, False, 2, prefetch=True)],
         "kda": [_K(16, 1, False, 4, 128), _K(16, 1, False, 2), _K(32, 2, False, 4)],

@@ -45,7 +45,8 @@ def _mul(a, b):
 
 @gluon.jit
 def _split3(a):
-    """An fp32 tensor as three bf16 terms, largest first (their sum is exact to fp32 rounding)."""
+    """An fp32 tensor as three bf16 terms, largest first (their sum is exact to fp32 rounding): the
+    Gluon twin of ``decode._split_bf16``, written with Gluon's ops."""
     a1 = a.to(gl.bfloat16)
     rest = a - a1.to(gl.float32)
     a2 = rest.to(gl.bfloat16)

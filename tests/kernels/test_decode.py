@@ -44,6 +44,11 @@ def _ranks(heads: int, key_dim: int, real: bool) -> list[int]:
     return [[0, 4, 8, 12][i % 4] for i in range(heads)]
 
 
+def _unaddressed(slots: torch.Tensor, n_slots: int) -> list[int]:
+    """The pool slots of ``range(n_slots)`` that ``slots`` does not address."""
+    return [s for s in range(n_slots) if s not in slots.tolist()]
+
+
 def run_case(
     family: str, op: str, shape, dtype_name: str, device, seed: int = 0, real: bool = False, config=None,
     fp32_tol: float = 1e-5,
@@ -84,7 +89,7 @@ def run_case(
     out_tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert not torch.isnan(out[live].float()).any(), "every live output must be written"
     assert _rel(out[live], want[live]) <= out_tol
-    untouched = [s for s in range(n_slots) if s not in slots.tolist()]
+    untouched = _unaddressed(slots, n_slots)
     for name, t in pool.tensors().items():
         old = before.tensors()[name]
         assert torch.equal(t[untouched], old[untouched]), f"{name}: unaddressed slot changed"
@@ -408,11 +413,8 @@ def test_pipelined_flush_many_heads_per_program_gpu(op):
         if a is not None:
             tol = 1e-6 if a.dtype == torch.float32 else 1e-2
             assert _rel(a, b) <= tol, f
-    assert torch.equal(got.state[pool_unaddressed(slots, 80)], pool.state[pool_unaddressed(slots, 80)])
-
-
-def pool_unaddressed(slots: torch.Tensor, n: int) -> list[int]:
-    return [s for s in range(n) if s not in slots.tolist()]
+    untouched = _unaddressed(slots, 80)
+    assert torch.equal(got.state[untouched], pool.state[untouched])
 
 
 def _candidates() -> list[tuple[str, str, decode.KernelConfig]]:
