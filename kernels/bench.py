@@ -108,17 +108,28 @@ TUNE_CANDIDATES: dict[str, dict[str, list[KernelConfig]]] = {
     },
 }
 
+# Mamba-2's sketch read split in two kernels (``KernelConfig.split``, ``read_split.py``): right on the
+# CPU and compiled for sm_90 in CI, but not yet timed on a GPU in this form (BENCHMARKS.md, eighth
+# session), so not among the tuning candidates: time them with
+# ``python kernels/gpu_check.py probe mamba2 sketch "<short form>;…"``. The ``gpu`` tests check them.
+SPLIT_SHAPES = [
+    _K(64, 1, False, dense_rows=16, split=2, heads=2),
+    _K(64, 1, False, dense_rows=16, split=4, heads=2),
+    _K(64, 1, False, dense_rows=16, split=2, heads=4),
+    _K(64, 1, False, maxnreg=64, dense_rows=16, split=2),
+]
 
 TUNED_KERNELS = ("standard", "replay", "sketch", "flush_replay", "flush_sketch")
 
 
 def parse_config(text: str) -> KernelConfig:
     """A launch shape from its short form ``BV,WARPS[,sweep|chunked][,vec=N][,cap=N][,group=N]
-    [,rows=N][,pipe=N][,late_map][,prefetch]``, e.g. ``16,1,sweep,vec=2`` or ``64,4,cap=128``: the
-    fields and names of BENCHMARKS.md's shape tables (``cap`` is ``maxnreg``, ``rows`` is
-    ``dense_rows``, ``pipe`` is ``pipelined``)."""
+    [,rows=N][,pipe=N][,split=N][,heads=N][,late_map][,prefetch]``, e.g. ``16,1,sweep,vec=2`` or
+    ``64,4,cap=128``: the fields and names of BENCHMARKS.md's shape tables (``cap`` is ``maxnreg``,
+    ``rows`` is ``dense_rows``, ``pipe`` is ``pipelined``)."""
     words = [w.strip() for w in text.split(",") if w.strip()]
-    keys = {"vec": "vec", "cap": "maxnreg", "group": "group", "rows": "dense_rows", "pipe": "pipelined"}
+    keys = {"vec": "vec", "cap": "maxnreg", "group": "group", "rows": "dense_rows", "pipe": "pipelined",
+            "split": "split", "heads": "heads"}
     try:
         bv, warps, *rest = words
         opts = {keys[k]: int(v) for k, v in (w.split("=", 1) for w in rest if "=" in w)}
@@ -130,7 +141,7 @@ def parse_config(text: str) -> KernelConfig:
     except (ValueError, KeyError) as err:
         raise SketchcalError(
             f"launch shape {text!r}: expected BV,WARPS[,sweep|chunked][,vec=N][,cap=N][,group=N]"
-            f"[,rows=N][,pipe=N][,late_map][,prefetch] ({err})"
+            f"[,rows=N][,pipe=N][,split=N][,heads=N][,late_map][,prefetch] ({err})"
         ) from None
 
 
@@ -212,6 +223,7 @@ class ByteModel:
     ranks: list[int]
     read_bytes: int = 2  # read copy / sketch element
     input_bytes: int = 2
+    split: bool = False  # Mamba-2's sketch read in two kernels, through the pool's workspace
 
     @property
     def _h(self):
@@ -265,6 +277,8 @@ class ByteModel:
         rows = sum(m if m > 0 else kd for m in self.ranks)
         maps = sum(self.ranks) * kd * 4  # shared by the batch: read once
         per_seq = rows * vd * self.read_bytes + p * self.read_token() + self.token() + self.io()
+        if self.split:  # the dots and coefficients, written by one kernel and read by the next
+            per_seq += 2 * 4 * (self.shape.groups * (p + 1) + sum(self.ranks))
         return self.batch * per_seq + maps
 
     def flush(self, n: int, sketch: bool) -> int:
@@ -590,7 +604,8 @@ def run_bench(
             cfg[kernel] = best[1]
             tuning[kernel] = [dict(us=round(t, 2), **asdict(c)) for t, c in trials]
 
-    bm = ByteModel(family, batch, shape, ranks, read_bytes=_nbytes(rd))
+    bm = ByteModel(family, batch, shape, ranks, read_bytes=_nbytes(rd),
+                   split=family == "mamba2" and cfg["sketch"].split > 0)
     copy_tbps = copy_bandwidth(dev) if cuda else float("nan")
     ops: dict[str, dict] = {}
 

@@ -5,7 +5,9 @@ Run from the repository root with the package installed (``pip install -e .``)::
     python kernels/resources.py                 # every kernel, default launch shapes, sm_90
     python kernels/resources.py read gdn 64 1 sweep   # one build: kernel family BV warps [sweep] [replay]
                                                       # [vec=N] [cap=N] [group=N] [rows=N] [late_map]
-                                                      # [prefetch] [pipe=N]
+                                                      # [prefetch] [pipe=N]; kernel: standard,
+                                                      # read, flush, or split_group / split_heads
+                                                      # (Mamba-2, with split=N [heads=N])
     python kernels/resources.py check           # compile every default and tuning candidate, both
                                                 # modes, 1 and 3 tokens; exit 1 if any fails
 
@@ -37,7 +39,7 @@ PTR = {
     "q": "*bf16", "k": "*bf16", "w": "*bf16", "skip": "*bf16", "out": "*bf16",
     "buf_k": "*bf16", "buf_w": "*bf16", "buf_logdecay": "*bf16", "rd": "*bf16", "sk": "*bf16",
     "frames": "*fp32", "maps": "*fp32",
-    "sk_head_stride": "i32", "n_items": "i32",
+    "sk_head_stride": "i32", "n_items": "i32", "B": "i32", "group_cols": "*i32", "group_width": "*i32",
 }
 
 
@@ -63,6 +65,18 @@ def build(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True, to
                   HAS_SKIP=family == "mamba2")
     if kernel == "standard":
         return _compile(D._standard_kernel, dict(T=tokens, **common), cfg)
+    if kernel in ("split_group", "split_heads"):  # Mamba-2's split sketch read (read_split.py), bf16
+        from sketchcal.kernels.common import read_split as RS
+
+        hg, m_rows, r = s.heads // s.groups, 24, 84  # as the benchmark's tables: M = 24, widest group 84
+        layout = dict(G=s.groups, K=s.key_dim, C=16, BC=16, M=m_rows, WS=hg * m_rows + 17, DOTS=hg * m_rows)
+        if kernel == "split_group":
+            consts = {n: v for n, v in layout.items() if n != "M"}
+            consts.update(R=r, RB=RS.COLUMNS, BB=RS.ROWS, Q_BF16=True, EMULATE=False)
+            return _compile(RS._group_kernel, consts, D.KernelConfig(1, cfg.split))
+        consts = dict(layout, H=s.heads, V=s.value_dim, BV=bv, HP=cfg.heads, HAS_SKIP=True,
+                      DENSE_ROWS=min(cfg.dense_rows, s.key_dim))
+        return _compile(RS._head_kernel, consts, cfg)
     if kernel == "read":
         # as the benchmark's bf16 pools: KDA's reads take the log₂ decays
         consts = dict(T=tokens, C=16, BC=16, M=32, SKETCH=sketch, K_BF16=True, EMULATE=False,
@@ -97,7 +111,8 @@ def resource_usage(cubin: bytes) -> tuple[int, int]:
 def report(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True) -> str:
     regs, spills = resource_usage(build(kernel, family, cfg, sketch).asm["cubin"])
     # the 64 K-register file, 64 warps and 32 resident programs per SM (sm_90)
-    warps = min(64, 32 * cfg.num_warps, (65536 // max(1, regs * 32)) // cfg.num_warps * cfg.num_warps)
+    nw = cfg.split if kernel == "split_group" else cfg.num_warps
+    warps = min(64, 32 * nw, (65536 // max(1, regs * 32)) // nw * nw)
     mode = ("sketch" if sketch else "replay") if kernel != "standard" else "-"
     form = "chunked" if cfg.chunked else "sweep"
     form = f"pipe={cfg.pipelined}" if cfg.pipelined and kernel == "flush" and family == "mamba2" else form
@@ -106,6 +121,7 @@ def report(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True) -
     extra += f" rows={cfg.dense_rows}" if cfg.dense_rows else ""
     extra += "" if cfg.early_map else " late_map"
     extra += " prefetch" if cfg.prefetch else ""
+    extra += f" split={cfg.split} heads={cfg.heads}" if cfg.split else ""
     return (f"{kernel:8s} {family:6s} {mode:6s} BV={cfg.block_v:<3d} warps={cfg.num_warps} {form:7s}"
             f"{extra:14s} regs={regs:3d} stack={spills:5d}B  occupancy≤{warps}/64 warps")
 
@@ -125,6 +141,11 @@ def builds() -> list[tuple[str, str, D.KernelConfig, bool, int]]:
                 mode = "sketch" if sketch else "replay"
                 for cfg in {D.default_config(mode, family), *TUNE_CANDIDATES[mode][family]}:
                     out.append(("read", family, cfg, sketch, tokens))
+        if family == "mamba2":
+            from sketchcal.kernels.bench import SPLIT_SHAPES
+
+            parts = ("split_group", "split_heads")
+            out += [(part, family, cfg, True, 1) for cfg in SPLIT_SHAPES for part in parts]
         for sketch in (False, True):
             kind = "flush_sketch" if sketch else "flush_replay"
             for cfg in {D.default_config(kind, family), *TUNE_CANDIDATES["flush"][family]}:

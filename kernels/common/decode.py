@@ -103,7 +103,13 @@ class KernelConfig:
       :mod:`.flush_pipelined` on that many programs per SM (``num_warps`` each; ``block_v`` is
       ignored: a program takes whole heads). It needs a CUDA device, bf16 buffered inputs and a
       Triton with Gluon (:func:`gluon_available`); elsewhere (the CPU interpreter, fp32 inputs) the
-      flush takes the chunked kernel."""
+      flush takes the chunked kernel.
+    - ``split`` (Mamba-2 sketch steps of one token, 0 = off) runs the read as two kernels
+      (:mod:`.read_split`): programs of ``split`` warps compute each group's dots and every
+      head's coefficients once, then programs of ``num_warps`` warps and ``heads`` heads of one
+      group (a power of two dividing H/G) sum each head's rows. It needs the pool's ``workspace``
+      (``allocate_pool`` gives Mamba-2 sketch pools one); without it, and for T > 1
+      (``spec_verify``), the read takes the one-kernel form."""
 
     block_v: int
     num_warps: int
@@ -115,9 +121,12 @@ class KernelConfig:
     early_map: bool = True
     prefetch: bool = False
     pipelined: int = 0
+    split: int = 0
+    heads: int = 1
 
     def __post_init__(self) -> None:
-        for name, zero_ok in (("block_v", False), ("num_warps", False), ("dense_rows", True)):
+        for name, zero_ok in (("block_v", False), ("num_warps", False), ("dense_rows", True), ("split", True),
+                              ("heads", False)):
             n = getattr(self, name)
             if n < 0 or n & (n - 1) or (n == 0 and not zero_ok):
                 allowed = "a power of two" + (" or 0" if zero_ok else "")
@@ -1076,6 +1085,12 @@ def spec_verify(
     cfg = config or default_config("sketch" if sketch else "replay", family, pool.read.dtype)
     bv = _block_v(cfg, vd)
     out = _out(out, x, h, t)
+    if sketch and cfg.split:
+        from sketchcal.kernels.common import read_split
+
+        if read_split.usable(family, pool, tables, t):
+            read_split.launch(pool, tables, slots, pos, x, out, cfg, bv, min(cfg.dense_rows, kd))
+            return out
     sk = pool.sketch if sketch else pool.read
     m_rows = tables.map_rows if sketch else 1
     _read_kernel[(vd // bv, h, b)](

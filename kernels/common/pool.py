@@ -24,7 +24,7 @@ All tensors contiguous; K and V powers of two.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 from torch import Tensor
@@ -63,6 +63,11 @@ class DecodePool:
                    which are half a KDA token's; a product of decays then carries a relative error of
                    at most |log₂ of the product| · 2⁻⁹ · ln 2, below a bf16 read's own). The flush
                    folds the fp32 decays; an fp32 read copy (exact replay) reads them too.
+        workspace  [N, G, (H/G)·M + C + 1] fp32, Mamba-2 sketch pools: what the split sketch
+                   read (``read_split.py``) hands from its per-group kernel to its per-head
+                   one: per (slot, group) each head's coefficients ``P q`` (M per head, head by
+                   head), then ``k·q`` of the new token and of the C buffered ones. Scratch, not
+                   state: :meth:`tensors` leaves it out and :meth:`clone` gives a fresh one.
     """
 
     state: Tensor
@@ -73,6 +78,7 @@ class DecodePool:
     buf_decay: Tensor | None = None
     buf_beta: Tensor | None = None
     buf_logdecay: Tensor | None = None
+    workspace: Tensor | None = None
 
     @property
     def slots(self) -> int:
@@ -87,10 +93,13 @@ class DecodePool:
         return 0 if self.buf_w is None else self.buf_w.shape[2]
 
     def tensors(self) -> dict[str, Tensor]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        """The pool's state (every tensor but the scratch ``workspace``), by field name."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name != "workspace" and getattr(self, f.name) is not None}
 
     def clone(self) -> DecodePool:
-        return DecodePool(**{name: t.clone() for name, t in self.tensors().items()})
+        ws = None if self.workspace is None else torch.zeros_like(self.workspace)
+        return DecodePool(**{name: t.clone() for name, t in self.tensors().items()}, workspace=ws)
 
 
 def allocate_pool(
@@ -132,6 +141,9 @@ def allocate_pool(
     if sketch_rows > 0:
         sk_dtype = read_dtype or torch.bfloat16
         pool.sketch = torch.zeros(slots, heads, sketch_rows, value_dim, dtype=sk_dtype, **z)
+        if family == "mamba2" and capacity > 0:
+            width = (heads // groups) * sketch_rows + capacity + 1
+            pool.workspace = torch.zeros(slots, groups, width, dtype=torch.float32, **z)
     return pool
 
 
@@ -146,6 +158,16 @@ class SketchTables:
                    writes the sketch R_{:m} S_c of each head of rank m
         read_rows  [H] int32, rows of the read copy a sketch-mode flush refreshes
                    (K for a dense head, 0 for a sketch head, whose sketch is separate)
+
+    Mamba-2 only (derived from the above at construction, for the split sketch read of
+    ``read_split.py``, whose per-group kernel computes every coefficient of a group at once):
+
+        group_maps   [G, R, K] fp32: the maps of a group's heads packed one after the other (rows
+                     r < m of head h); R is the widest group's Σ m, rows past a group's own
+                     are zero
+        group_cols   [G, R] int32: where each row's coefficient goes in a workspace row
+                     (``(h mod H/G) · M + r``), -1 past the group's rows
+        group_width  [G] int32: Σ m over the group's heads
     """
 
     family: str
@@ -153,6 +175,9 @@ class SketchTables:
     maps: Tensor
     frames: Tensor
     read_rows: Tensor
+    group_maps: Tensor | None = field(default=None, init=False)
+    group_cols: Tensor | None = field(default=None, init=False)
+    group_width: Tensor | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         # checked once here, not per step (that would be a host sync): the flush refreshes a
@@ -165,6 +190,28 @@ class SketchTables:
         bad = sorted(set(self.read_rows.tolist()) - {0, key_dim})
         if bad:
             raise ValueError(f"read_rows must be {key_dim} (a dense head) or 0 per head, got {bad}")
+        if self.family == "mamba2":
+            self._pack_group_maps()
+
+    def _pack_group_maps(self) -> None:
+        groups, key_dim = self.frames.shape[0], self.frames.shape[-1]
+        ranks = self.ranks.tolist()
+        per_group = len(ranks) // groups
+        widths = [sum(ranks[g * per_group:(g + 1) * per_group]) for g in range(groups)]
+        width = max(1, max(widths))
+        dev = self.maps.device
+        packed = torch.zeros(groups, width, key_dim, dtype=torch.float32, device=dev)
+        cols = torch.full((groups, width), -1, dtype=torch.int32)
+        for g in range(groups):
+            c = 0
+            for i in range(per_group):
+                m = ranks[g * per_group + i]
+                packed[g, c:c + m] = self.maps[g * per_group + i, :m]
+                cols[g, c:c + m] = i * self.map_rows + torch.arange(m, dtype=torch.int32)
+                c += m
+        self.group_maps = packed
+        self.group_cols = cols.to(dev)
+        self.group_width = torch.tensor(widths, dtype=torch.int32, device=dev)
 
     @property
     def map_rows(self) -> int:

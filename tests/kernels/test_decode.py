@@ -161,6 +161,107 @@ def test_map_rows_early_or_late_cpu(family, op, early_map):
     run_case(family, op, CPU_SHAPES[family][0], "fp32", "cpu", seed=12, config=config)
 
 
+@pytest.mark.parametrize("heads", [1, 2])
+@pytest.mark.parametrize("dtype", [*DTYPES, "fp8"])
+@pytest.mark.parametrize("shape_id", [0, 1])
+def test_split_sketch_read_cpu(shape_id, dtype, heads):
+    """Mamba-2's sketch step as two kernels (``KernelConfig.split``: the group's dots and
+    coefficients, then each head's sum, ``heads`` heads per program), ranks 0 (dense), 4, 8 and
+    12 (a second chunk of rows), buffers of 0..capacity − 1 tokens."""
+    config = decode.KernelConfig(16, 1, chunked=False, split=1, heads=heads, dense_rows=8)
+    shape = CPU_SHAPES["mamba2"][shape_id]
+    run_case("mamba2", "sketch", shape, dtype, "cpu", seed=20 + shape_id, config=config)
+
+
+def test_split_sketch_read_many_entries_cpu():
+    """The split read over more batch entries than one coefficient tile holds (``read_split.ROWS``),
+    padding among them, groups of different widths: outputs and buffers against the reference,
+    and the slots not addressed untouched."""
+    from sketchcal.kernels.common import read_split
+
+    h, g, kd, vd = 8, 2, 16, 16
+    gen = torch.Generator().manual_seed(25)
+    tables = random_sketch("mamba2", [4, 0, 12, 8, 8, 4, 4, 0], g, kd, gen)
+    n_slots, cap = read_split.ROWS + 12, 4
+    pool = random_pool("mamba2", n_slots, h, g, kd, vd, capacity=cap, sketch_rows=tables.map_rows,
+                       generator=gen)
+    slots = torch.randperm(n_slots, generator=gen)[: read_split.ROWS + 6].to(torch.int32)
+    slots[[3, read_split.ROWS + 2]] = -1
+    b = slots.numel()
+    x = random_inputs("mamba2", b, 1, h, g, kd, vd, generator=gen)
+    pos = torch.randint(0, cap, (b,), generator=gen, dtype=torch.int32)
+    out = torch.full((b, 1, h, vd), float("nan"), dtype=torch.bfloat16)
+    before, want_pool = pool.clone(), pool.clone()
+    config = decode.KernelConfig(16, 1, chunked=False, split=1, heads=2)
+    decode.sketch_step("mamba2", pool, tables, slots, pos, x, out, config=config)
+    want = ref.spec_verify("mamba2", want_pool, slots, pos, x, tables)
+    live = slots >= 0
+    assert torch.isnan(out[~live].float()).all()
+    assert _rel(out[live], want[live]) <= 1e-2
+    for name, t in pool.tensors().items():
+        assert torch.equal(t, want_pool.tensors()[name]), name
+        untouched = _unaddressed(slots, n_slots)
+        assert torch.equal(t[untouched], before.tensors()[name][untouched]), name
+
+
+def test_split_heads_must_divide_the_group():
+    h, g, kd, vd = CPU_SHAPES["mamba2"][0]
+    tables = random_sketch("mamba2", _ranks(h, kd, False), g, kd)
+    pool = random_pool("mamba2", 2, h, g, kd, vd, capacity=4, sketch_rows=tables.map_rows)
+    x = random_inputs("mamba2", 1, 1, h, g, kd, vd)
+    one = torch.zeros(1, dtype=torch.int32)
+    config = decode.KernelConfig(16, 1, chunked=False, split=1, heads=4)  # 2 heads per group
+    with pytest.raises(ValueError, match="heads per group"):
+        decode.sketch_step("mamba2", pool, tables, one, one, x, config=config)
+
+
+def test_split_sketch_read_falls_back_to_one_kernel(monkeypatch):
+    """Where the split read cannot run (several tokens, a pool without a workspace) the one-kernel
+    read runs instead, and gives the reference's outputs."""
+    from sketchcal.kernels.common import read_split
+
+    calls = []
+    monkeypatch.setattr(read_split, "launch", lambda *a, **k: calls.append(a))
+    config = decode.KernelConfig(16, 1, chunked=False, split=1)
+    run_case("mamba2", "spec_sketch", CPU_SHAPES["mamba2"][0], "bf16", "cpu", seed=23, config=config)
+    assert not calls
+    h, g, kd, vd = CPU_SHAPES["mamba2"][0]
+    gen = torch.Generator().manual_seed(24)
+    tables = random_sketch("mamba2", _ranks(h, kd, False), g, kd, gen)
+    pool = random_pool("mamba2", 3, h, g, kd, vd, capacity=4, sketch_rows=tables.map_rows, generator=gen)
+    assert pool.workspace is not None and pool.clone().workspace is not None
+    pool.workspace = None
+    slots, pos = torch.tensor([2, 0], dtype=torch.int32), torch.tensor([3, 1], dtype=torch.int32)
+    x = random_inputs("mamba2", 2, 1, h, g, kd, vd, generator=gen)
+    want = ref.spec_verify("mamba2", pool.clone(), slots, pos, x, tables)
+    got = decode.sketch_step("mamba2", pool, tables, slots, pos, x, config=config)
+    assert not calls and _rel(got, want) <= 1e-2
+
+
+def test_packed_group_maps_hold_each_heads_rows():
+    """``SketchTables.group_maps``: row c of group g is row r of head h's map where
+    ``group_cols[g, c] = (h mod H/G) · M + r``; the other families get none."""
+    h, g, kd = 8, 2, 32
+    ranks = [4, 0, 12, 8, 24, 4, 0, 8]
+    tables = random_sketch("mamba2", ranks, g, kd, torch.Generator().manual_seed(3))
+    m_rows, per_group = tables.map_rows, h // g
+    assert tables.group_width.tolist() == [24, 36]
+    assert tables.group_maps.shape == (g, 36, kd)
+    for gi in range(g):
+        seen = 0
+        for c in range(tables.group_maps.shape[1]):
+            dst = int(tables.group_cols[gi, c])
+            if c >= tables.group_width[gi]:
+                assert dst == -1 and not tables.group_maps[gi, c].any()
+                continue
+            head, r = gi * per_group + dst // m_rows, dst % m_rows
+            assert r < ranks[head]
+            assert torch.equal(tables.group_maps[gi, c], tables.maps[head, r])
+            seen += 1
+        assert seen == sum(ranks[gi * per_group:(gi + 1) * per_group])
+    assert random_sketch("gdn", ranks, g, kd).group_maps is None
+
+
 @pytest.mark.parametrize("rows", [0, 8])
 @pytest.mark.parametrize("op", ["replay", "sketch", "spec_sketch"])
 @pytest.mark.parametrize("family", FAMILIES)
@@ -340,6 +441,21 @@ def test_chunked_flush_gpu(family, shape, op, dtype):
     it: one-warp 16-column tiles and 4-warp 64-column tiles, held to 1e-6 like on the CPU."""
     config = decode.KernelConfig(*shape, chunked=True)
     run_case(family, op, GPU_SHAPES[family], dtype, "cuda", seed=17, real=True, config=config, fp32_tol=1e-6)
+
+
+def _split_shapes() -> list[decode.KernelConfig]:
+    from sketchcal.kernels.bench import SPLIT_SHAPES
+
+    return SPLIT_SHAPES
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [*DTYPES, "fp8"])
+@pytest.mark.parametrize("config", _split_shapes(), ids=str)
+def test_split_sketch_read_gpu(config, dtype):
+    """The split Mamba-2 sketch read at the real shape (a dense head, ranks 4-24, 0-15 tokens),
+    in each shape ``bench.SPLIT_SHAPES`` lists."""
+    run_case("mamba2", "sketch", GPU_SHAPES["mamba2"], dtype, "cuda", seed=21, real=True, config=config)
 
 
 def test_pipelined_flush_needs_gluon(monkeypatch):
