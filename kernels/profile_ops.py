@@ -9,7 +9,9 @@ Run from the repository root on a CUDA machine, under Nsight Compute for example
 ``sketch_flush``. The window kernels run with ``pos`` = 8 buffered tokens (a mid-window step);
 the flushes with 15. Each op is launched three times (the first compiles), with the default
 launch shape except for the fields the options give (``--block-v``, ``--warps``, ``--form``,
-``--vec``, ``--maxnreg``, ``--group``, ``--dense-rows``, ``--map``, ``--prefetch``).
+``--vec``, ``--maxnreg``, ``--group``, ``--dense-rows``, ``--map``, ``--prefetch``, and for
+Mamba-2's split sketch read ``--split`` and ``--heads``: its kernels are ``_group_kernel`` and
+``_head_kernel``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ def main() -> None:
     ap.add_argument("--dense-rows", type=int, help="reads: read-copy rows per dense-read iteration (0: all)")
     ap.add_argument("--map", choices=["early", "late"], help="sketch reads: map rows before/after the sweep")
     ap.add_argument("--prefetch", choices=["on", "off"], help="reads, sweep flush: buffer into L2 first")
+    ap.add_argument("--split", type=int, help="Mamba-2 sketch step: warps of the split read's group kernel")
+    ap.add_argument("--heads", type=int, help="the split read: heads per program of its head kernel")
     args = ap.parse_args()
     bootstrap()
     import torch
@@ -62,7 +66,8 @@ def main() -> None:
                  group=args.group, dense_rows=args.dense_rows,
                  chunked=None if args.form is None else args.form == "chunked",
                  early_map=None if args.map is None else args.map == "early",
-                 prefetch=None if args.prefetch is None else args.prefetch == "on")
+                 prefetch=None if args.prefetch is None else args.prefetch == "on",
+                 split=args.split, heads=args.heads)
     cfg = replace(base, **{k: v for k, v in given.items() if v is not None})  # the default, as overridden
     pos = torch.full((b,), 15 if "flush" in args.op else 8, dtype=torch.int32, device="cuda")
     for _ in range(3):

@@ -160,7 +160,7 @@ class SketchTables:
                    (K for a dense head, 0 for a sketch head, whose sketch is separate)
 
     Mamba-2 only (derived from the above at construction, for the split sketch read of
-    ``read_split.py``, whose per-group kernel computes every coefficient of a group at once):
+    ``read_split.py``, whose group kernel computes the coefficients of all a group's heads together):
 
         group_maps   [G, R, K] fp32: the maps of a group's heads packed one after the other (rows
                      r < m of head h); R is the widest group's Σ m, rows past a group's own

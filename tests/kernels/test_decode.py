@@ -175,8 +175,8 @@ def test_split_sketch_read_cpu(shape_id, dtype, heads):
 
 def test_split_sketch_read_many_entries_cpu():
     """The split read over more batch entries than one coefficient tile holds (``read_split.ROWS``),
-    padding among them, groups of different widths: outputs and buffers against the reference,
-    and the slots not addressed untouched."""
+    padding among them, groups of different widths, two programs per head (BV = V / 2): outputs
+    and buffers against the reference, and the slots not addressed untouched."""
     from sketchcal.kernels.common import read_split
 
     h, g, kd, vd = 8, 2, 16, 16
@@ -192,7 +192,7 @@ def test_split_sketch_read_many_entries_cpu():
     pos = torch.randint(0, cap, (b,), generator=gen, dtype=torch.int32)
     out = torch.full((b, 1, h, vd), float("nan"), dtype=torch.bfloat16)
     before, want_pool = pool.clone(), pool.clone()
-    config = decode.KernelConfig(16, 1, chunked=False, split=1, heads=2)
+    config = decode.KernelConfig(vd // 2, 1, chunked=False, split=1, heads=2)
     decode.sketch_step("mamba2", pool, tables, slots, pos, x, out, config=config)
     want = ref.spec_verify("mamba2", want_pool, slots, pos, x, tables)
     live = slots >= 0
