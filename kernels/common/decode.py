@@ -470,9 +470,17 @@ def _buffer_tiles(
     wb = tl.load(buf_w + (hb + o_c[:, None]) * V + o_v[None, :], mask=live, other=0.0).to(tl.float32)
     al = tl.load(buf_decay + hb + o_c, mask=o_c < n, other=1.0).to(tl.float32)
     al_next = tl.load(buf_decay + hb + o_c + 1, mask=o_c + 1 < n, other=1.0).to(tl.float32)
-    g = tl.cumprod(al_next, 0, reverse=True)
-    total = tl.sum(tl.where(o_c == 0, g * al, 0.0), axis=0)
+    g, total = _decay_products(al, al_next, o_c == 0, 0)
     return kb, wb, al, g, total
+
+
+@triton.jit
+def _decay_products(al, al_next, first, AXIS: tl.constexpr):
+    """Scalar decays of buffered tokens along ``AXIS``: from ``al`` (α_j, 1 past the n buffered) and
+    ``al_next`` (α_{j+1}, 1 past n − 1), ``g_j = α_{j+1}⋯α_{n−1}`` and the whole window's
+    ``α_0⋯α_{n−1}`` (``first``: where j = 0)."""
+    g = tl.cumprod(al_next, AXIS, reverse=True)
+    return g, tl.sum(tl.where(first, g * al, 0.0), axis=AXIS)
 
 
 @triton.jit

@@ -37,6 +37,7 @@ from torch import Tensor
 from sketchcal.kernels.common.decode import (
     KernelConfig,
     _buffer_block,
+    _decay_products,
     _dense_read,
     _dependent_launch,
     _dot_ff,
@@ -153,8 +154,7 @@ def _head_kernel(
              mask=o_v[None, :] < tl.where(ok, V, 0))
     if i_v == 0:
         tl.store(buf_decay + hb + p, d_new.to(buf_decay.dtype.element_ty), mask=o_hp < tl.where(ok, H, 0))
-    g = tl.cumprod(al_next, 1, reverse=True)  # g_j = α_{j+1}⋯α_{n−1}, [HP, BC]
-    total = tl.sum(tl.where(o_c[None, :] == 0, g * al, 0.0), axis=1)  # α_0⋯α_{n−1}, [HP]
+    g, total = _decay_products(al, al_next, o_c[None, :] == 0, 1)  # [HP, BC], [HP]
     acc = tl.sum((g * z[None, :])[:, :, None] * wb.to(tl.float32), axis=1)  # [HP, BV]
     ck = tl.sum(st0.to(tl.float32) * coef[:, :, None], axis=1)
     for r0 in range(8, tl.max(m, axis=0), 8):
