@@ -198,9 +198,9 @@ def test_split_sketch_read_many_entries_cpu():
     live = slots >= 0
     assert torch.isnan(out[~live].float()).all()
     assert _rel(out[live], want[live]) <= 1e-2
+    untouched = _unaddressed(slots, n_slots)
     for name, t in pool.tensors().items():
         assert torch.equal(t, want_pool.tensors()[name]), name
-        untouched = _unaddressed(slots, n_slots)
         assert torch.equal(t[untouched], before.tensors()[name][untouched]), name
 
 
