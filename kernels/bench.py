@@ -87,7 +87,12 @@ TUNE_CANDIDATES: dict[str, dict[str, list[KernelConfig]]] = {
         # (and the buffer prefetched into L2 first: GDN's default; for Mamba-2 it won 0.5% at batch
         # 256 and lost 4% at batch 64)
         "mamba2": [_K(64, 1, False, maxnreg=cap, group=g, dense_rows=16, early_map=False, prefetch=pf)
-                   for cap, g, pf in ((64, 4, False), (64, 6, False), (64, 8, False), (64, 8, True))],
+                   for cap, g, pf in ((64, 4, False), (64, 6, False), (64, 8, False), (64, 8, True))]
+        # the split read (read_split.py): the coefficients once per key group (and the dots, or
+        # the head kernel computes them), then the heads' sums, 4 heads per program (the one-kernel
+        # fields serve spec_verify)
+        + [_K(64, 1, False, maxnreg=64, group=8, dense_rows=16, early_map=False, split=2, heads=4, dots=d)
+           for d in (2, 0)],
         # one program per head (V = 128): the sweep is done once, not once per half
         "gdn": [_K(128, 1, False, maxnreg=cap, group=g, dense_rows=16, early_map=False, prefetch=pf)
                 for cap, g, pf in ((64, 2, False), (64, 3, False), (72, 4, False), (64, 6, False),
@@ -108,15 +113,15 @@ TUNE_CANDIDATES: dict[str, dict[str, list[KernelConfig]]] = {
     },
 }
 
-# Mamba-2's sketch read split in two kernels (``KernelConfig.split``, ``read_split.py``): right on the
-# CPU and compiled for sm_90 in CI, but not yet timed on a GPU in this form (BENCHMARKS.md, eighth
-# session), so not among the tuning candidates: time them with
-# ``python kernels/gpu_check.py probe mamba2 sketch "<short form>;…"``. The ``gpu`` tests check them.
+# Mamba-2's sketch read split in two kernels (``KernelConfig.split``, ``read_split.py``): launch
+# shapes timed beside the default (BENCHMARKS.md, ninth session) but not among the tuning candidates;
+# time them with ``python kernels/gpu_check.py probe mamba2 sketch "<short form>;…"``. The ``gpu``
+# tests check them.
 SPLIT_SHAPES = [
-    _K(64, 1, False, dense_rows=16, split=2, heads=2),
-    _K(64, 1, False, dense_rows=16, split=4, heads=2),
-    _K(64, 1, False, dense_rows=16, split=2, heads=4),
-    _K(64, 1, False, maxnreg=64, dense_rows=16, split=2),
+    _K(64, 1, False, dense_rows=16, split=2, heads=4, dots=0),
+    _K(64, 1, False, dense_rows=16, split=2, heads=4, dots=2),
+    _K(64, 1, False, dense_rows=16, split=2, heads=2, dots=2),
+    _K(64, 1, False, dense_rows=16, split=2, heads=2, dots=0),
 ]
 
 TUNED_KERNELS = ("standard", "replay", "sketch", "flush_replay", "flush_sketch")
@@ -124,12 +129,13 @@ TUNED_KERNELS = ("standard", "replay", "sketch", "flush_replay", "flush_sketch")
 
 def parse_config(text: str) -> KernelConfig:
     """A launch shape from its short form ``BV,WARPS[,sweep|chunked][,vec=N][,cap=N][,group=N]
-    [,rows=N][,pipe=N][,split=N][,heads=N][,late_map][,prefetch]``, e.g. ``16,1,sweep,vec=2`` or
+    [,rows=N][,pipe=N][,split=N][,heads=N][,dots=N][,late_map][,prefetch]``, e.g. ``16,1,sweep,vec=2`` or
     ``64,4,cap=128``: the fields and names of BENCHMARKS.md's shape tables (``cap`` is ``maxnreg``,
     ``rows`` is ``dense_rows``, ``pipe`` is ``pipelined``)."""
     words = [w.strip() for w in text.split(",") if w.strip()]
     keys = {"vec": "vec", "cap": "maxnreg", "group": "group", "rows": "dense_rows", "pipe": "pipelined",
-            "split": "split", "heads": "heads"}
+            "split": "split", "heads": "heads",
+            "dots": "dots"}
     try:
         bv, warps, *rest = words
         opts = {keys[k]: int(v) for k, v in (w.split("=", 1) for w in rest if "=" in w)}
@@ -141,7 +147,7 @@ def parse_config(text: str) -> KernelConfig:
     except (ValueError, KeyError) as err:
         raise SketchcalError(
             f"launch shape {text!r}: expected BV,WARPS[,sweep|chunked][,vec=N][,cap=N][,group=N]"
-            f"[,rows=N][,pipe=N][,split=N][,heads=N][,late_map][,prefetch] ({err})"
+            f"[,rows=N][,pipe=N][,split=N][,heads=N][,dots=N][,late_map][,prefetch] ({err})"
         ) from None
 
 
@@ -224,6 +230,7 @@ class ByteModel:
     read_bytes: int = 2  # read copy / sketch element
     input_bytes: int = 2
     split: bool = False  # Mamba-2's sketch read in two kernels, through the pool's workspace
+    split_dots: bool = True  # ... the group's dots through it too (KernelConfig.dots > 0)
 
     @property
     def _h(self):
@@ -277,8 +284,9 @@ class ByteModel:
         rows = sum(m if m > 0 else kd for m in self.ranks)
         maps = sum(self.ranks) * kd * 4  # shared by the batch: read once
         per_seq = rows * vd * self.read_bytes + p * self.read_token() + self.token() + self.io()
-        if self.split:  # the dots and coefficients, written by one kernel and read by the next
-            per_seq += 2 * 4 * (self.shape.groups * (p + 1) + sum(self.ranks))
+        if self.split:  # the coefficients (and dots), written by one kernel and read by the next
+            dots = self.shape.groups * (p + 1) if self.split_dots else 0
+            per_seq += 2 * 4 * (dots + sum(self.ranks))
         return self.batch * per_seq + maps
 
     def flush(self, n: int, sketch: bool) -> int:
@@ -605,7 +613,7 @@ def run_bench(
             tuning[kernel] = [dict(us=round(t, 2), **asdict(c)) for t, c in trials]
 
     bm = ByteModel(family, batch, shape, ranks, read_bytes=_nbytes(rd),
-                   split=family == "mamba2" and cfg["sketch"].split > 0)
+                   split=family == "mamba2" and cfg["sketch"].split > 0, split_dots=cfg["sketch"].dots > 0)
     copy_tbps = copy_bandwidth(dev) if cuda else float("nan")
     ops: dict[str, dict] = {}
 

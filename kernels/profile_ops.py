@@ -10,8 +10,8 @@ Run from the repository root on a CUDA machine, under Nsight Compute for example
 the flushes with 15. Each op is launched three times (the first compiles), with the default
 launch shape except for the fields the options give (``--block-v``, ``--warps``, ``--form``,
 ``--vec``, ``--maxnreg``, ``--group``, ``--dense-rows``, ``--map``, ``--prefetch``, and for
-Mamba-2's split sketch read ``--split`` and ``--heads``: its kernels are ``_group_kernel`` and
-``_head_kernel``).
+Mamba-2's split sketch read ``--split``, ``--heads`` and ``--dots``: its kernels are
+``_group_kernel`` and ``_head_kernel``).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--prefetch", choices=["on", "off"], help="reads, sweep flush: buffer into L2 first")
     ap.add_argument("--split", type=int, help="Mamba-2 sketch step: warps of the split read's group kernel")
     ap.add_argument("--heads", type=int, help="the split read: heads per program of its head kernel")
+    ap.add_argument("--dots", type=int, help="the split read: key groups per dot program of its group kernel")
     args = ap.parse_args()
     bootstrap()
     import torch
@@ -67,7 +68,7 @@ def main() -> None:
                  chunked=None if args.form is None else args.form == "chunked",
                  early_map=None if args.map is None else args.map == "early",
                  prefetch=None if args.prefetch is None else args.prefetch == "on",
-                 split=args.split, heads=args.heads)
+                 split=args.split, heads=args.heads, dots=args.dots)
     cfg = replace(base, **{k: v for k, v in given.items() if v is not None})  # the default, as overridden
     pos = torch.full((b,), 15 if "flush" in args.op else 8, dtype=torch.int32, device="cuda")
     for _ in range(3):

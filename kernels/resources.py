@@ -7,7 +7,7 @@ Run from the repository root with the package installed (``pip install -e .``)::
                                                       # [vec=N] [cap=N] [group=N] [rows=N] [late_map]
                                                       # [prefetch] [pipe=N]; kernel: standard,
                                                       # read, flush, or split_group / split_heads
-                                                      # (Mamba-2, with split=N [heads=N])
+                                                      # (Mamba-2, with split=N [heads=N] [dots=N])
     python kernels/resources.py check           # compile every default and tuning candidate, both
                                                 # modes, 1 and 3 tokens; exit 1 if any fails
 
@@ -75,11 +75,12 @@ def build(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True, to
         layout = dict(G=s.groups, K=s.key_dim, C=16, BC=16, M=m_rows, WS=hg * m_rows + 17, DOTS=hg * m_rows)
         if kernel == "split_group":
             consts = {n: v for n, v in layout.items() if n != "M"}
-            consts.update(R=r, RB=RS.COLUMNS, BB=RS.ROWS, Q_BF16=True, EMULATE=False)
+            consts.update(R=r, RB=RS.COLUMNS, BB=RS.ROWS, DG=min(max(cfg.dots, 1), s.groups),
+                          NO_DOTS=cfg.dots == 0, Q_BF16=True, EMULATE=False)
             return _compile(RS._group_kernel, consts, D.KernelConfig(1, cfg.split))
-        consts = dict(layout, H=s.heads, V=s.value_dim, BV=bv, HP=cfg.heads, HAS_SKIP=True,
-                      DENSE_ROWS=min(cfg.dense_rows, s.key_dim))
-        return _compile(RS._head_kernel, consts, cfg)
+        consts = dict(layout, H=s.heads, V=s.value_dim, BV=bv, HP=cfg.heads, DOTS_HERE=cfg.dots == 0,
+                      HAS_SKIP=True, DENSE_ROWS=min(cfg.dense_rows, s.key_dim))
+        return _compile(RS._head_kernel, consts, D.KernelConfig(1, cfg.num_warps))
     if kernel == "read":
         # as the benchmark's bf16 pools: KDA's reads take the log₂ decays
         consts = dict(T=tokens, C=16, BC=16, M=32, SKETCH=sketch, K_BF16=True, EMULATE=False,
@@ -124,7 +125,7 @@ def report(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True) -
     extra += f" rows={cfg.dense_rows}" if cfg.dense_rows else ""
     extra += "" if cfg.early_map else " late_map"
     extra += " prefetch" if cfg.prefetch else ""
-    extra += f" split={cfg.split} heads={cfg.heads}" if cfg.split else ""
+    extra += f" split={cfg.split} heads={cfg.heads} dots={cfg.dots}" if cfg.split else ""
     return (f"{kernel:8s} {family:6s} {mode:6s} BV={cfg.block_v:<3d} warps={cfg.num_warps} {form:7s}"
             f"{extra:14s} regs={regs:3d} stack={spills:5d}B  occupancy≤{warps}/64 warps")
 
@@ -148,7 +149,8 @@ def builds() -> list[tuple[str, str, D.KernelConfig, bool, int]]:
             from sketchcal.kernels.bench import SPLIT_SHAPES
 
             parts = ("split_group", "split_heads")
-            out += [(part, family, cfg, True, 1) for cfg in SPLIT_SHAPES for part in parts]
+            split = {D.default_config("sketch", family), *TUNE_CANDIDATES["sketch"][family], *SPLIT_SHAPES}
+            out += [(part, family, cfg, True, 1) for cfg in split if cfg.split for part in parts]
         for sketch in (False, True):
             kind = "flush_sketch" if sketch else "flush_replay"
             for cfg in {D.default_config(kind, family), *TUNE_CANDIDATES["flush"][family]}:

@@ -107,9 +107,14 @@ class KernelConfig:
     - ``split`` (Mamba-2 sketch steps of one token, 0 = off) runs the read as two kernels
       (:mod:`.read_split`): programs of ``split`` warps compute each group's dots and every
       head's coefficients once, then programs of ``num_warps`` warps and ``heads`` heads of one
-      group (a power of two dividing H/G) sum each head's rows. It needs the pool's ``workspace``
+      group sum each head's rows. It needs the pool's ``workspace``
       (``allocate_pool`` gives Mamba-2 sketch pools one); without it, and for T > 1
-      (``spec_verify``), the read takes the one-kernel form."""
+      (``spec_verify``), the read takes the one-kernel form. ``dots`` is the key groups per
+      program of the first kernel's dot programs (fewer, larger programs); 0: the head kernel
+      computes its group's dots itself, before waiting for the first kernel, which then only
+      computes coefficients and appends keys. ``heads`` and ``dots`` are powers of two, clipped to
+      the largest that divides H/G and G. ``maxnreg``, ``group`` and ``early_map`` are then the
+      one-kernel form's; the two kernels take no register cap."""
 
     block_v: int
     num_warps: int
@@ -123,10 +128,11 @@ class KernelConfig:
     pipelined: int = 0
     split: int = 0
     heads: int = 1
+    dots: int = 1
 
     def __post_init__(self) -> None:
         for name, zero_ok in (("block_v", False), ("num_warps", False), ("dense_rows", True), ("split", True),
-                              ("heads", False)):
+                              ("heads", False), ("dots", True)):
             n = getattr(self, name)
             if n < 0 or n & (n - 1) or (n == 0 and not zero_ok):
                 allowed = "a power of two" + (" or 0" if zero_ok else "")
@@ -139,7 +145,9 @@ class KernelConfig:
 # batch 256 among ``bench.TUNE_CANDIDATES`` (BENCHMARKS.md, "Decode kernels"), checked there by the
 # ``gpu`` tests with exactly these shapes. The token-by-token forms won everywhere but the Mamba-2
 # flushes (on tensor cores, the persistent Gluon kernel of flush_pipelined: 3 programs per SM at 168
-# registers). ``bench.run_bench(tune=True)`` re-picks them on another device.
+# registers). Mamba-2's sketch read of one token is the split form of read_split (its spec_verify
+# reads, the one-kernel form with the other fields). ``bench.run_bench(tune=True)`` re-picks them
+# on another device.
 DEFAULT_CONFIGS: dict[tuple[str, str], KernelConfig] = {
     ("standard", "mamba2"): KernelConfig(64, 4),
     ("standard", "gdn"): KernelConfig(64, 4),
@@ -148,7 +156,7 @@ DEFAULT_CONFIGS: dict[tuple[str, str], KernelConfig] = {
     ("replay", "gdn"): KernelConfig(128, 1, chunked=False, group=4, dense_rows=16),
     ("replay", "kda"): KernelConfig(128, 1, group=4, dense_rows=16),
     ("sketch", "mamba2"): KernelConfig(
-        64, 1, chunked=False, maxnreg=64, group=8, dense_rows=16, early_map=False
+        64, 1, chunked=False, maxnreg=64, group=8, dense_rows=16, early_map=False, split=2, heads=4, dots=0
     ),
     ("sketch", "gdn"): KernelConfig(
         128, 1, chunked=False, maxnreg=64, group=6, dense_rows=16, early_map=False, prefetch=True

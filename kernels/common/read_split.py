@@ -56,75 +56,107 @@ ROWS = 16  # batch entries per coefficient program (the tensor-core tile's N)
 def _group_kernel(
     slots, pos, q, k, buf_k, ws, group_maps, group_cols, group_width, B,
     G: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, R: tl.constexpr,
-    RB: tl.constexpr, BB: tl.constexpr, WS: tl.constexpr, DOTS: tl.constexpr, Q_BF16: tl.constexpr,
-    EMULATE: tl.constexpr, PDL: tl.constexpr,
+    RB: tl.constexpr, BB: tl.constexpr, DG: tl.constexpr, NO_DOTS: tl.constexpr, WS: tl.constexpr,
+    DOTS: tl.constexpr, Q_BF16: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Grid (G, B + ⌈B/BB⌉·⌈R/RB⌉), two kinds of program. ``ws`` row (slot, group):
+    """Grid (B·G/DG + G·⌈B/BB⌉·⌈R/RB⌉,), two kinds of program. ``ws`` row (slot, group):
     ``[coefficients (H/G)·M | dots C + 1]``, the dots starting at ``DOTS``.
 
-    - the first B, one per batch entry: append the new key; the dots ``k_j·q`` (j < n) and the new
-      key's (entry n);
-    - the others, one per (BB batch entries, RB map columns): the coefficients ``P q`` of those
-      entries on tensor cores, ``[RB, K] @ [K, BB]``, the fp32 maps in three bf16 terms (exact
-      products with bf16 queries; fp32 queries are split too), so every batch entry shares each
-      map tile's load."""
-    _dependent_launch(PDL)
-    i_g = tl.program_id(0)
-    i = tl.program_id(1)
+    - the first B·G/DG, one per (batch entry, DG groups): append the new keys; the dots
+      ``k_j·q`` (j < n) and the new key's (entry n), from a [DG, BC, K] tile of buffered keys;
+    - the others, one per (group, BB batch entries, RB map columns): the coefficients ``P q`` of
+      those entries on tensor cores, ``[RB, K] @ [K, BB]``, the fp32 maps in three bf16 terms
+      (exact products with bf16 queries; fp32 queries are split too), so every batch entry shares
+      each map tile's load.
+
+    ``NO_DOTS``: no dot programs (the head kernel computes the dots); the first column tile of
+    each (group, BB entries) appends their new keys."""
+    i = tl.program_id(0)
     o_k = tl.arange(0, K)
-    if i < B:
-        s_in = tl.load(slots + i)
+    n_dot = 0 if NO_DOTS else B * (G // DG)
+    if i < n_dot:
+        _dependent_launch(PDL)
+        i_b = i // (G // DG)
+        o_g = (i % (G // DG)) * DG + tl.arange(0, DG)
+        s_in = tl.load(slots + i_b)
         live = s_in >= 0
         s = tl.maximum(s_in, 0).to(tl.int64)
-        p = tl.where(live, tl.load(pos + i), 0)
+        p = tl.where(live, tl.load(pos + i_b), 0)
         o_c = tl.arange(0, BC)
-        qq = tl.load(q + (i * G + i_g) * K + o_k).to(tl.float32)
-        k_new = tl.load(k + (i * G + i_g) * K + o_k)
-        gb = (s * G + i_g) * C
-        kb = tl.load(buf_k + (gb + o_c[:, None]) * K + o_k[None, :], mask=o_c[:, None] < p, other=0.0)
-        tl.store(buf_k + (gb + p) * K + o_k, k_new.to(buf_k.dtype.element_ty),
-                 mask=o_k < tl.where(live & (p < C), K, 0))
-        row = ws + (s * G + i_g) * WS
-        tl.store(row + DOTS + o_c, tl.sum(kb.to(tl.float32) * qq[None, :], axis=1), mask=o_c < p)
-        tl.store(row + DOTS + p, tl.sum(k_new.to(tl.float32) * qq, axis=0), mask=(p <= C) & live)
+        x = (i_b * G + o_g)[:, None] * K + o_k[None, :]  # [DG, K]
+        qq = tl.load(q + x).to(tl.float32)
+        k_new = tl.load(k + x)
+        gb = (s * G + o_g) * C  # [DG]
+        kb = tl.load(buf_k + (gb[:, None, None] + o_c[None, :, None]) * K + o_k[None, None, :],
+                     mask=(o_c[None, :, None] < p) & (o_k[None, None, :] < K), other=0.0)
+        tl.store(buf_k + (gb + p)[:, None] * K + o_k[None, :], k_new.to(buf_k.dtype.element_ty),
+                 mask=o_k[None, :] < tl.where(live & (p < C), K, 0))
+        row = ws + (s * G + o_g) * WS + DOTS  # [DG]
+        tl.store(row[:, None] + o_c[None, :], tl.sum(kb.to(tl.float32) * qq[:, None, :], axis=2),
+                 mask=(o_g[:, None] < G) & (o_c[None, :] < p))
+        tl.store(row + p, tl.sum(k_new.to(tl.float32) * qq, axis=1),
+                 mask=o_g < tl.where(live & (p <= C), G, 0))
     else:
         NR: tl.constexpr = (R + RB - 1) // RB
-        i_rb = (i - B) % NR
-        if i_rb * RB < tl.load(group_width + i_g):
-            o_b = ((i - B) // NR) * BB + tl.arange(0, BB)
+        tiles = tl.cdiv(B, BB) * NR  # per group
+        i_g = (i - n_dot) // tiles
+        i_rb = (i - n_dot) % NR
+        cols = i_rb * RB + tl.arange(0, RB)
+        width = tl.load(group_width + i_g)
+        used = (cols < width) & (cols < R)
+        # no step writes the tables: they are loaded before waiting for the kernel before
+        pm = tl.load(group_maps + (i_g * R + cols[:, None]) * K + o_k[None, :], mask=used[:, None], other=0.0)
+        dst = tl.load(group_cols + i_g * R + cols, mask=used, other=-1)
+        _dependent_launch(PDL)
+        o_b = (((i - n_dot) % tiles) // NR) * BB + tl.arange(0, BB)
+        # no dot programs: the first column tile appends the new keys (two ifs: the first is
+        # resolved at compile time)
+        if NO_DOTS:  # noqa: SIM102
+            if i_rb == 0:
+                s_in = tl.load(slots + o_b, mask=o_b < B, other=-1)
+                p = tl.load(pos + o_b, mask=s_in >= 0, other=C)
+                kt = tl.load(k + (o_b[:, None] * G + i_g) * K + o_k[None, :], mask=o_b[:, None] < B,
+                             other=0.0)
+                dst_k = (tl.maximum(s_in, 0).to(tl.int64) * G + i_g) * C + p
+                tl.store(buf_k + dst_k[:, None] * K + o_k[None, :], kt.to(buf_k.dtype.element_ty),
+                         mask=(p < C)[:, None] & (o_k[None, :] < K))
+        if i_rb * RB < width:
             s_in = tl.load(slots + o_b, mask=o_b < B, other=-1)
             s = tl.maximum(s_in, 0).to(tl.int64)
-            cols = i_rb * RB + tl.arange(0, RB)
-            pm = tl.load(group_maps + (i_g * R + cols[:, None]) * K + o_k[None, :], mask=cols[:, None] < R,
-                         other=0.0)
             qt = tl.load(q + (o_b[None, :] * G + i_g) * K + o_k[:, None], mask=o_b[None, :] < B, other=0.0)
             coef = tl.zeros((RB, BB), dtype=tl.float32)
             if Q_BF16:
                 coef = _dot_fk(pm, qt, coef, True, EMULATE)
             else:
                 coef = _dot_ff(pm, qt.to(tl.float32), coef, 3, EMULATE)
-            dst = tl.load(group_cols + i_g * R + cols, mask=cols < R, other=-1)
             tl.store(ws + (s[None, :] * G + i_g) * WS + dst[:, None], coef,
                      mask=(dst[:, None] >= 0) & (s_in >= 0)[None, :])
 
 
 @triton.jit
 def _head_kernel(
-    slots, pos, q, w, decay, skip, out, buf_w, buf_decay, rd, sk, ranks, ws, sk_head_stride,
+    slots, pos, q, k, w, decay, skip, out, buf_k, buf_w, buf_decay, rd, sk, ranks, ws, sk_head_stride,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
     HP: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, M: tl.constexpr, WS: tl.constexpr,
-    DOTS: tl.constexpr, HAS_SKIP: tl.constexpr, DENSE_ROWS: tl.constexpr, PDL: tl.constexpr,
+    DOTS: tl.constexpr, DOTS_HERE: tl.constexpr, HAS_SKIP: tl.constexpr, DENSE_ROWS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (V // BV, H // HP, B): ``HP`` heads of one key group per program, as the leading
-    dimension of every tile ([HP, BC, BV] buffered w, [HP, 8, BV] sketch rows), so that their
-    loads issue together and a reduction over rows stays inside a warp's tile."""
-    _dependent_launch(PDL)
+    dimension of every tile (two [HP, BC/2, BV] halves of the buffered w, [HP, 8, BV] sketch rows),
+    so that their loads issue together and a reduction over rows stays inside a warp's tile. The
+    second half's sums run only when it holds tokens (n > BC/2): the buffer is half empty on
+    average.
+
+    Only the workspace is the group kernel's output: everything else is loaded before waiting for
+    it (``_dependent_launch``), so those loads overlap its run. They come from kernels before it,
+    which have finished by then, since the group kernel waits before letting this one launch.
+    ``DOTS_HERE``: the group's dots ``k_j·q`` are computed here too, before that wait (the buffered
+    keys it reads, j < n, are not the ones the group kernel appends)."""
     i_v = tl.program_id(0)
     i_b = tl.program_id(2)
     o_hp = tl.program_id(1) * HP + tl.arange(0, HP)  # this program's heads
     i_g = (tl.program_id(1) * HP) // (H // G)
     o_v = i_v * BV + tl.arange(0, BV)
-    o_c = tl.arange(0, BC)
     o_r8 = tl.arange(0, 8)
     # no early exit for padding (as in the one-kernel read): it reads slot 0, stores nothing
     s_in = tl.load(slots + i_b)
@@ -140,13 +172,31 @@ def _head_kernel(
     st0 = tl.load(sk_h[:, None, None] + o_r8[None, :, None] * V + o_v[None, None, :], mask=rows8[:, :, None],
                   other=0.0)
     hb = (s * H + o_hp) * C
-    wb = tl.load(buf_w + (hb[:, None, None] + o_c[None, :, None]) * V + o_v[None, None, :],
-                 mask=(o_c < p)[None, :, None], other=0.0)
+    # the buffer in two halves of BC/2 rows: the second one's sums only run when it holds tokens
+    o_l = tl.arange(0, BC // 2)
+    o_u = BC // 2 + o_l
+    wb_l = tl.load(buf_w + (hb[:, None, None] + o_l[None, :, None]) * V + o_v[None, None, :],
+                   mask=(o_l < p)[None, :, None], other=0.0)  # [HP, BC/2, BV]
+    wb_u = tl.load(buf_w + (hb[:, None, None] + o_u[None, :, None]) * V + o_v[None, None, :],
+                   mask=(o_u < p)[None, :, None], other=0.0)
+    o_c = tl.arange(0, BC)
     al = tl.load(buf_decay + hb[:, None] + o_c[None, :], mask=(o_c < p)[None, :], other=1.0)
     al_next = tl.load(buf_decay + hb[:, None] + o_c[None, :] + 1, mask=(o_c + 1 < p)[None, :], other=1.0)
     row = ws + (s * G + i_g) * WS
-    z = tl.load(row + DOTS + o_c, mask=o_c < p, other=0.0)
-    z_new = tl.load(row + DOTS + p)
+    if DOTS_HERE:
+        o_k = tl.arange(0, K)
+        x_g = (i_b * G + i_g) * K + o_k
+        qk = tl.load(q + x_g).to(tl.float32)
+        gb = (s * G + i_g) * C
+        kb_l = tl.load(buf_k + (gb + o_l[:, None]) * K + o_k[None, :], mask=o_l[:, None] < p, other=0.0)
+        kb_u = tl.load(buf_k + (gb + o_u[:, None]) * K + o_k[None, :], mask=o_u[:, None] < p, other=0.0)
+        z_l = tl.sum(kb_l.to(tl.float32) * qk[None, :], axis=1)
+        z_new = tl.sum(tl.load(k + x_g).to(tl.float32) * qk, axis=0)
+        _dependent_launch(PDL)
+    else:
+        _dependent_launch(PDL)
+        z_l = tl.load(row + DOTS + o_l, mask=o_l < p, other=0.0)
+        z_new = tl.load(row + DOTS + p)
     c_h = row + (o_hp % (H // G)) * M  # [HP] each head's coefficients
     coef = tl.load(c_h[:, None] + o_r8[None, :], mask=rows8, other=0.0)
     ok = live & (p < C)
@@ -155,7 +205,14 @@ def _head_kernel(
     if i_v == 0:
         tl.store(buf_decay + hb + p, d_new.to(buf_decay.dtype.element_ty), mask=o_hp < tl.where(ok, H, 0))
     g, total = _decay_products(al, al_next, o_c[None, :] == 0, 1)  # [HP, BC], [HP]
-    acc = tl.sum((g * z[None, :])[:, :, None] * wb.to(tl.float32), axis=1)  # [HP, BV]
+    g_l, g_u = tl.split(tl.permute(tl.reshape(g, (HP, 2, BC // 2)), (0, 2, 1)))  # its halves
+    acc = tl.sum((g_l * z_l[None, :])[:, :, None] * wb_l.to(tl.float32), axis=1)  # [HP, BV]
+    if p > BC // 2:
+        if DOTS_HERE:
+            z_u = tl.sum(kb_u.to(tl.float32) * qk[None, :], axis=1)
+        else:
+            z_u = tl.load(row + DOTS + o_u, mask=o_u < p, other=0.0)
+        acc += tl.sum((g_u * z_u[None, :])[:, :, None] * wb_u.to(tl.float32), axis=1)
     ck = tl.sum(st0.to(tl.float32) * coef[:, :, None], axis=1)
     for r0 in range(8, tl.max(m, axis=0), 8):
         rows = (r0 + o_r8)[None, :] < m[:, None]
@@ -192,7 +249,7 @@ def launch(
     """The split sketch read of one token (``usable`` is True): :func:`launch_group` with
     ``cfg.split`` warps per program, then :func:`launch_heads` with ``cfg.num_warps`` warps and
     ``cfg.heads`` heads per program."""
-    launch_group(pool, tables, slots, pos, x, cfg.split)
+    launch_group(pool, tables, slots, pos, x, cfg)
     launch_heads(pool, tables, slots, pos, x, out, cfg, block_v, dense_rows)
 
 
@@ -206,20 +263,28 @@ def _workspace_layout(pool: DecodePool, tables: SketchTables, groups: int) -> tu
     return width, dots
 
 
+def _dividing_power_of_two(at_most: int, n: int) -> int:
+    """The largest power of two that divides ``n`` and is at most ``at_most`` (a power of two):
+    ``KernelConfig.heads`` and ``dots`` are clipped to the model's groups like ``block_v`` to V."""
+    return min(at_most, n & -n)
+
+
 def launch_group(
-    pool: DecodePool, tables: SketchTables, slots: Tensor, pos: Tensor, x: StepInputs, warps: int,
+    pool: DecodePool, tables: SketchTables, slots: Tensor, pos: Tensor, x: StepInputs, cfg: KernelConfig,
 ) -> None:
-    """:func:`_group_kernel` over (G, B): appends the new keys; the workspace gets the dots and
-    coefficients."""
+    """:func:`_group_kernel`, ``cfg.split`` warps per program and ``cfg.dots`` key groups per
+    dot program: appends the new keys; the workspace gets the dots and coefficients."""
     b, _, g, kd = x.k.shape
     width, dots = _workspace_layout(pool, tables, g)
     r = tables.group_maps.shape[1]
+    dg, warps = _dividing_power_of_two(max(cfg.dots, 1), g), cfg.split
     tiles = -(-b // ROWS) * -(-r // COLUMNS)
-    _group_kernel[(g, b + tiles)](
+    _group_kernel[((b * (g // dg) if cfg.dots else 0) + g * tiles,)](
         slots, pos, x.q, x.k, pool.buf_k, pool.workspace, tables.group_maps, tables.group_cols,
         tables.group_width, b,
-        G=g, K=kd, C=pool.capacity, BC=_buffer_block(pool.capacity), R=r, RB=COLUMNS, BB=ROWS, WS=width,
-        DOTS=dots, Q_BF16=x.q.dtype == torch.bfloat16, EMULATE=_interpreting(),
+        G=g, K=kd, C=pool.capacity, BC=_buffer_block(pool.capacity), R=r, RB=COLUMNS, BB=ROWS, DG=dg,
+        NO_DOTS=cfg.dots == 0, WS=width, DOTS=dots, Q_BF16=x.q.dtype == torch.bfloat16,
+        EMULATE=_interpreting(),
         **_launch_options(KernelConfig(1, warps), pool.state.device),
     )
 
@@ -234,13 +299,12 @@ def launch_heads(
     h, vd = pool.heads, x.w.shape[-1]
     width, dots = _workspace_layout(pool, tables, g)
     sk = pool.sketch
-    hp = cfg.heads
-    if (h // g) % hp:
-        raise ValueError(f"KernelConfig.heads ({hp}) must divide the heads per group ({h // g})")
+    hp = _dividing_power_of_two(cfg.heads, h // g)
     _head_kernel[(vd // block_v, h // hp, b)](
-        slots, pos, x.q, x.w, x.decay, x.skip if x.skip is not None else x.w, out, pool.buf_w,
-        pool.buf_decay, pool.read, sk, tables.ranks, pool.workspace, sk.shape[2] * sk.shape[3],
+        slots, pos, x.q, x.k, x.w, x.decay, x.skip if x.skip is not None else x.w, out, pool.buf_k,
+        pool.buf_w, pool.buf_decay, pool.read, sk, tables.ranks, pool.workspace, sk.shape[2] * sk.shape[3],
         H=h, G=g, K=kd, V=vd, BV=block_v, HP=hp, C=pool.capacity, BC=_buffer_block(pool.capacity),
-        M=tables.map_rows, WS=width, DOTS=dots, HAS_SKIP=x.skip is not None, DENSE_ROWS=dense_rows,
-        **_launch_options(cfg, pool.state.device),
+        M=tables.map_rows, WS=width, DOTS=dots, DOTS_HERE=cfg.dots == 0, HAS_SKIP=x.skip is not None,
+        DENSE_ROWS=dense_rows,
+        **_launch_options(KernelConfig(1, cfg.num_warps), pool.state.device),
     )

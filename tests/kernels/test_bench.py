@@ -132,11 +132,14 @@ def test_byte_model_counts_the_tensors_each_call_touches(family, read_dtype):
     assert bm.standard() == 2 * _touched(pool.state) + inputs
     if family == "mamba2":  # the split read also writes and reads the workspace's dots and coefficients
         split = bench.ByteModel(family, batch, shape, ranks, read_bytes=rd.itemsize, split=True)
+        no_dots = bench.ByteModel(family, batch, shape, ranks, read_bytes=rd.itemsize, split=True,
+                                  split_dots=False)  # the head kernel computes them
         dots = (h // g) * tables.map_rows
         for p in (0, 3):
+            coefficients = batch * sum(ranks) * pool.workspace.element_size()
             used = _touched(pool.workspace, (slice(None), slice(None), slice(dots, dots + p + 1)))
-            used += batch * sum(ranks) * pool.workspace.element_size()
-            assert split.sketch_step(p) == bm.sketch_step(p) + 2 * used
+            assert split.sketch_step(p) == bm.sketch_step(p) + 2 * (used + coefficients)
+            assert no_dots.sketch_step(p) == bm.sketch_step(p) + 2 * coefficients
 
 
 def test_fp8_read_copy_dry_run():
@@ -150,18 +153,20 @@ def test_fp8_read_copy_dry_run():
 
 
 def test_split_sketch_read_dry_run():
-    """The benchmark runs Mamba-2's split sketch read when given it, and counts its workspace."""
-    from sketchcal.kernels.bench import SPLIT_SHAPES
-
-    shape = bench.ModelShape("tiny", heads=4, groups=2, key_dim=16, value_dim=V)
+    """The benchmark runs Mamba-2's split sketch read when given it, and counts its workspace: the
+    coefficients, and the dots unless the head kernel computes them (``dots=0``)."""
+    shape = bench.ModelShape("tiny", heads=8, groups=2, key_dim=16, value_dim=V)
     kw = dict(rank=4, window=3, pools=1, shape=shape, anchor=False, replays=1, _cpu_dry_run=True)
-    split = bench.run_bench("mamba2", 2, configs={"sketch": SPLIT_SHAPES[0]}, **kw)
-    one = bench.run_bench("mamba2", 2, **kw)
-    assert split["configs"]["sketch"]["split"] == SPLIT_SHAPES[0].split
-    extra = split["ops"]["sketch_step"]["bytes"] - one["ops"]["sketch_step"]["bytes"]
-    # batch 2 × (written + read) 4-byte values: 2 groups × (p + 1) dots (p = 0, 1: 1.5 on average)
-    # and Σ m coefficients
-    assert extra == 2 * 2 * 4 * (2 * 1.5 + sum(bench.rank_spread(4, 4, 16)))
+    split = KernelConfig(16, 1, chunked=False, split=1, heads=4, dots=1)
+    one_kernel = replace(decode.default_config("sketch", "mamba2"), split=0)
+    one = bench.run_bench("mamba2", 2, configs={"sketch": one_kernel}, **kw)["ops"]["sketch_step"]["bytes"]
+    coefficients = sum(bench.rank_spread(8, 4, 16))
+    # batch 2 × (written + read) 4-byte values: Σ m coefficients, and 2 groups × (p + 1) dots
+    # (p = 0, 1: 1.5 on average)
+    for dots, values in ((1, 2 * 1.5 + coefficients), (0, coefficients)):
+        r = bench.run_bench("mamba2", 2, configs={"sketch": replace(split, dots=dots)}, **kw)
+        assert (r["configs"]["sketch"]["split"], r["configs"]["sketch"]["dots"]) == (1, dots)
+        assert r["ops"]["sketch_step"]["bytes"] - one == 2 * 2 * 4 * values
 
 
 @pytest.mark.parametrize(("batch", "window"), [(5, 4), (16, 16), (33, 16), (3, 8)])

@@ -161,28 +161,32 @@ def test_map_rows_early_or_late_cpu(family, op, early_map):
     run_case(family, op, CPU_SHAPES[family][0], "fp32", "cpu", seed=12, config=config)
 
 
-@pytest.mark.parametrize("heads", [1, 2])
+@pytest.mark.parametrize("heads,dots", [(1, 1), (2, 1), (1, 2), (2, 0)])
 @pytest.mark.parametrize("dtype", [*DTYPES, "fp8"])
 @pytest.mark.parametrize("shape_id", [0, 1])
-def test_split_sketch_read_cpu(shape_id, dtype, heads):
-    """Mamba-2's sketch step as two kernels (``KernelConfig.split``: the group's dots and
-    coefficients, then each head's sum, ``heads`` heads per program), ranks 0 (dense), 4, 8 and
-    12 (a second chunk of rows), buffers of 0..capacity − 1 tokens."""
-    config = decode.KernelConfig(16, 1, chunked=False, split=1, heads=heads, dense_rows=8)
+def test_split_sketch_read_cpu(shape_id, dtype, heads, dots):
+    """Mamba-2's sketch step as two kernels (``KernelConfig.split``: the group's dots, ``dots``
+    key groups per program (0: in the second kernel), and coefficients, then each head's sum,
+    ``heads`` heads per program), ranks 0 (dense), 4, 8 and 12 (a second chunk of rows), buffers
+    of 0..capacity − 1 tokens."""
+    config = decode.KernelConfig(16, 1, chunked=False, split=1, heads=heads, dots=dots, dense_rows=8)
     shape = CPU_SHAPES["mamba2"][shape_id]
     run_case("mamba2", "sketch", shape, dtype, "cpu", seed=20 + shape_id, config=config)
 
 
-def test_split_sketch_read_many_entries_cpu():
+@pytest.mark.parametrize("dots", [2, 0])
+def test_split_sketch_read_many_entries_cpu(dots):
     """The split read over more batch entries than one coefficient tile holds (``read_split.ROWS``),
-    padding among them, groups of different widths, two programs per head (BV = V / 2): outputs
+    padding among them, groups of different widths, both groups' dots in one program (or in the
+    head kernel: the keys appended by the coefficient programs), two programs per head (BV = V / 2):
+    outputs
     and buffers against the reference, and the slots not addressed untouched."""
     from sketchcal.kernels.common import read_split
 
     h, g, kd, vd = 8, 2, 16, 16
     gen = torch.Generator().manual_seed(25)
     tables = random_sketch("mamba2", [4, 0, 12, 8, 8, 4, 4, 0], g, kd, gen)
-    n_slots, cap = read_split.ROWS + 12, 4
+    n_slots, cap = read_split.ROWS + 12, 16  # buffers more than half full too
     pool = random_pool("mamba2", n_slots, h, g, kd, vd, capacity=cap, sketch_rows=tables.map_rows,
                        generator=gen)
     slots = torch.randperm(n_slots, generator=gen)[: read_split.ROWS + 6].to(torch.int32)
@@ -192,7 +196,7 @@ def test_split_sketch_read_many_entries_cpu():
     pos = torch.randint(0, cap, (b,), generator=gen, dtype=torch.int32)
     out = torch.full((b, 1, h, vd), float("nan"), dtype=torch.bfloat16)
     before, want_pool = pool.clone(), pool.clone()
-    config = decode.KernelConfig(vd // 2, 1, chunked=False, split=1, heads=2)
+    config = decode.KernelConfig(vd // 2, 1, chunked=False, split=1, heads=2, dots=dots)
     decode.sketch_step("mamba2", pool, tables, slots, pos, x, out, config=config)
     want = ref.spec_verify("mamba2", want_pool, slots, pos, x, tables)
     live = slots >= 0
@@ -204,15 +208,12 @@ def test_split_sketch_read_many_entries_cpu():
         assert torch.equal(t[untouched], before.tensors()[name][untouched]), name
 
 
-def test_split_heads_must_divide_the_group():
-    h, g, kd, vd = CPU_SHAPES["mamba2"][0]
-    tables = random_sketch("mamba2", _ranks(h, kd, False), g, kd)
-    pool = random_pool("mamba2", 2, h, g, kd, vd, capacity=4, sketch_rows=tables.map_rows)
-    x = random_inputs("mamba2", 1, 1, h, g, kd, vd)
-    one = torch.zeros(1, dtype=torch.int32)
-    config = decode.KernelConfig(16, 1, chunked=False, split=1, heads=4)  # 2 heads per group
-    with pytest.raises(ValueError, match="heads per group"):
-        decode.sketch_step("mamba2", pool, tables, one, one, x, config=config)
+@pytest.mark.parametrize("shape", [(4, 2, 16, 16), (6, 3, 16, 16)], ids=["2-heads-per-group", "3-groups"])
+def test_split_heads_and_dots_clipped_to_the_groups_cpu(shape):
+    """``heads`` = 4 and ``dots`` = 2 on groups they do not divide (2 heads per group; 3 groups)
+    run as the largest power of two that does, and give the reference's outputs."""
+    config = decode.KernelConfig(16, 1, chunked=False, split=1, heads=4, dots=2, dense_rows=8)
+    run_case("mamba2", "sketch", shape, "bf16", "cpu", seed=26, config=config)
 
 
 def test_split_sketch_read_falls_back_to_one_kernel(monkeypatch):
