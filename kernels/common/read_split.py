@@ -11,20 +11,23 @@ computes the dots again in each of the group's H/G heads, each ending in a shuff
 Here:
 
 1. :func:`_group_kernel`, two kinds of program in one launch:
-   - one per (batch entry, group): appends the new key to the buffer and computes ``k_j·q`` for
-     the buffered keys and the new one;
+   - one per (batch entry, ``dots`` groups): appends the new keys to the buffer and computes
+     ``k_j·q`` for the buffered keys and the new one;
    - one per (16 batch entries, 32 map rows, group): ``P q`` for those entries on tensor cores,
      from the group's maps packed one after the other (``SketchTables.group_maps`` [G, R, K]), so
      each map tile is loaded once for 16 entries rather than once per entry and head.
    Both write to the pool's ``workspace`` [N, G, (H/G)·M + C + 1]: each head's M coefficients,
-   then the dots (entry n: the new token's).
+   then the dots (entry n: the new token's). With ``dots`` = 0 (the default) there are no dot
+   programs: the coefficient programs append the keys, and the head kernel computes the dots.
 2. :func:`_head_kernel`, one program per (batch entry, ``heads`` heads of a group, BV columns):
    appends w and the decays, and sums the buffered rows of w and the sketch rows with those
    coefficients. A dense head (rank 0) reads its read copy with ``q`` as the one-kernel read does.
 
 Both are programmatic dependent launches; the second waits for the first's writes
 (``_dependent_launch``), so a step is still two launches in one stream, with no host sync, and
-can be captured in a CUDA graph.
+can be captured in a CUDA graph. Each loads what does not depend on the kernel before it (the
+tables; all but the workspace) before it waits, so those loads overlap that kernel's end.
+BENCHMARKS.md ("Ninth session") has the timings of these choices.
 """
 
 from __future__ import annotations
