@@ -207,8 +207,10 @@ def _head_kernel(
              mask=o_v[None, :] < tl.where(ok, V, 0))
     if i_v == 0:
         tl.store(buf_decay + hb + p, d_new.to(buf_decay.dtype.element_ty), mask=o_hp < tl.where(ok, H, 0))
+    # the products over the whole [HP, BC] tile, then split in halves: Triton 3.6 fails an assertion
+    # lowering the scan of an [HP, BC/2] tile in some layouts (2 heads per program, fp8 sketch)
     g, total = _decay_products(al, al_next, o_c[None, :] == 0, 1)  # [HP, BC], [HP]
-    g_l, g_u = tl.split(tl.permute(tl.reshape(g, (HP, 2, BC // 2)), (0, 2, 1)))  # its halves
+    g_l, g_u = tl.split(tl.permute(tl.reshape(g, (HP, 2, BC // 2)), (0, 2, 1)))
     acc = tl.sum((g_l * z_l[None, :])[:, :, None] * wb_l.to(tl.float32), axis=1)  # [HP, BV]
     if p > BC // 2:
         if DOTS_HERE:
