@@ -239,6 +239,21 @@ def test_split_sketch_read_falls_back_to_one_kernel(monkeypatch):
     assert not calls and _rel(got, want) <= 1e-2
 
 
+def test_default_mamba2_sketch_step_is_the_split_read(monkeypatch):
+    """Mamba-2's default sketch step of one token takes the split read (the default launch shape has
+    ``split`` set, and the pool its workspace); ``spec_verify`` keeps the one-kernel read."""
+    from sketchcal.kernels.common import read_split
+
+    calls = []
+    real = read_split.launch
+    monkeypatch.setattr(read_split, "launch", lambda *a, **k: calls.append(a) or real(*a, **k))
+    run_case("mamba2", "sketch", CPU_SHAPES["mamba2"][0], "bf16", "cpu", seed=27)
+    assert calls
+    calls.clear()
+    run_case("mamba2", "spec_sketch", CPU_SHAPES["mamba2"][0], "bf16", "cpu", seed=28)
+    assert not calls
+
+
 def test_packed_group_maps_hold_each_heads_rows():
     """``SketchTables.group_maps``: row c of group g is row r of head h's map where
     ``group_cols[g, c] = (h mod H/G) · M + r``; the other families get none."""
