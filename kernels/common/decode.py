@@ -483,6 +483,15 @@ def _buffer_tiles(
 
 
 @triton.jit
+def _entry_slot(slots, pos, i_b):
+    """Batch entry ``i_b``'s (live, slot, buffered tokens): a padding entry (negative slot) reads
+    slot 0 with an empty buffer, and its stores are masked by ``live``."""
+    s_in = tl.load(slots + i_b)
+    live = s_in >= 0
+    return live, tl.maximum(s_in, 0).to(tl.int64), tl.where(live, tl.load(pos + i_b), 0)
+
+
+@triton.jit
 def _decay_products(al, al_next, first, AXIS: tl.constexpr):
     """Scalar decays of buffered tokens along ``AXIS``: from ``al`` (α_j, 1 past the n buffered) and
     ``al_next`` (α_{j+1}, 1 past n − 1), ``g_j = α_{j+1}⋯α_{n−1}`` and the whole window's
@@ -610,10 +619,7 @@ def _read_kernel(
     # that do not need the slot are in flight with it, unmasked by it: pos, rank, the first new
     # token's inputs and query, the first 8 map rows (rows past the head's rank meet sketch rows
     # masked to zero).
-    s_in = tl.load(slots + i_b)
-    live = s_in >= 0
-    s = tl.maximum(s_in, 0).to(tl.int64)
-    p = tl.where(live, tl.load(pos + i_b), 0)
+    live, s, p = _entry_slot(slots, pos, i_b)
     m = tl.load(ranks + i_h) if SKETCH else 0
     x0 = i_b * T
     k0, w0, d0, b0 = _load_token(

@@ -45,6 +45,7 @@ from sketchcal.kernels.common.decode import (
     _dependent_launch,
     _dot_ff,
     _dot_fk,
+    _entry_slot,
     _interpreting,
     _launch_options,
 )
@@ -81,10 +82,7 @@ def _group_kernel(
         _dependent_launch(PDL)
         i_b = i // (G // DG)
         o_g = (i % (G // DG)) * DG + tl.arange(0, DG)
-        s_in = tl.load(slots + i_b)
-        live = s_in >= 0
-        s = tl.maximum(s_in, 0).to(tl.int64)
-        p = tl.where(live, tl.load(pos + i_b), 0)
+        live, s, p = _entry_slot(slots, pos, i_b)
         o_c = tl.arange(0, BC)
         x = (i_b * G + o_g)[:, None] * K + o_k[None, :]  # [DG, K]
         qq = tl.load(q + x).to(tl.float32)
@@ -112,11 +110,11 @@ def _group_kernel(
         dst = tl.load(group_cols + i_g * R + cols, mask=used, other=-1)
         _dependent_launch(PDL)
         o_b = (((i - n_dot) % tiles) // NR) * BB + tl.arange(0, BB)
+        s_in = tl.load(slots + o_b, mask=o_b < B, other=-1)
         # no dot programs: the first column tile appends the new keys (two ifs: the first is
         # resolved at compile time)
         if NO_DOTS:  # noqa: SIM102
             if i_rb == 0:
-                s_in = tl.load(slots + o_b, mask=o_b < B, other=-1)
                 p = tl.load(pos + o_b, mask=s_in >= 0, other=C)
                 kt = tl.load(k + (o_b[:, None] * G + i_g) * K + o_k[None, :], mask=o_b[:, None] < B,
                              other=0.0)
@@ -124,7 +122,6 @@ def _group_kernel(
                 tl.store(buf_k + dst_k[:, None] * K + o_k[None, :], kt.to(buf_k.dtype.element_ty),
                          mask=(p < C)[:, None] & (o_k[None, :] < K))
         if i_rb * RB < width:
-            s_in = tl.load(slots + o_b, mask=o_b < B, other=-1)
             s = tl.maximum(s_in, 0).to(tl.int64)
             qt = tl.load(q + (o_b[None, :] * G + i_g) * K + o_k[:, None], mask=o_b[None, :] < B, other=0.0)
             coef = tl.zeros((RB, BB), dtype=tl.float32)
@@ -162,10 +159,7 @@ def _head_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     o_r8 = tl.arange(0, 8)
     # no early exit for padding (as in the one-kernel read): it reads slot 0, stores nothing
-    s_in = tl.load(slots + i_b)
-    live = s_in >= 0
-    s = tl.maximum(s_in, 0).to(tl.int64)
-    p = tl.where(live, tl.load(pos + i_b), 0)
+    live, s, p = _entry_slot(slots, pos, i_b)
     m = tl.load(ranks + o_hp)  # [HP]
     x = i_b * H + o_hp
     w_new = tl.load(w + x[:, None] * V + o_v[None, :]).to(tl.float32)
