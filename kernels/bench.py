@@ -134,8 +134,7 @@ def parse_config(text: str) -> KernelConfig:
     ``rows`` is ``dense_rows``, ``pipe`` is ``pipelined``)."""
     words = [w.strip() for w in text.split(",") if w.strip()]
     keys = {"vec": "vec", "cap": "maxnreg", "group": "group", "rows": "dense_rows", "pipe": "pipelined",
-            "split": "split", "heads": "heads",
-            "dots": "dots"}
+            "split": "split", "heads": "heads", "dots": "dots"}
     try:
         bv, warps, *rest = words
         opts = {keys[k]: int(v) for k, v in (w.split("=", 1) for w in rest if "=" in w)}

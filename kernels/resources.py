@@ -73,13 +73,14 @@ def build(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True, to
         tables = random_sketch(family, rank_spread(s.heads, 8, s.key_dim), s.groups, s.key_dim)
         hg, m_rows, r = s.heads // s.groups, tables.map_rows, tables.group_maps.shape[1]
         layout = dict(G=s.groups, K=s.key_dim, C=16, BC=16, M=m_rows, WS=hg * m_rows + 17, DOTS=hg * m_rows)
+        clip = RS._dividing_power_of_two  # heads and dots as the launchers clip them
         if kernel == "split_group":
             consts = {n: v for n, v in layout.items() if n != "M"}
-            consts.update(R=r, RB=RS.COLUMNS, BB=RS.ROWS, DG=min(max(cfg.dots, 1), s.groups),
+            consts.update(R=r, RB=RS.COLUMNS, BB=RS.ROWS, DG=clip(max(cfg.dots, 1), s.groups),
                           NO_DOTS=cfg.dots == 0, Q_BF16=True, EMULATE=False)
             return _compile(RS._group_kernel, consts, D.KernelConfig(1, cfg.split))
-        consts = dict(layout, H=s.heads, V=s.value_dim, BV=bv, HP=cfg.heads, DOTS_HERE=cfg.dots == 0,
-                      HAS_SKIP=True, DENSE_ROWS=min(cfg.dense_rows, s.key_dim))
+        consts = dict(layout, H=s.heads, V=s.value_dim, BV=bv, HP=clip(cfg.heads, hg),
+                      DOTS_HERE=cfg.dots == 0, HAS_SKIP=True, DENSE_ROWS=min(cfg.dense_rows, s.key_dim))
         return _compile(RS._head_kernel, consts, D.KernelConfig(1, cfg.num_warps))
     if kernel == "read":
         # as the benchmark's bf16 pools: KDA's reads take the log₂ decays
