@@ -105,16 +105,14 @@ class KernelConfig:
       Triton with Gluon (:func:`gluon_available`); elsewhere (the CPU interpreter, fp32 inputs) the
       flush takes the chunked kernel.
     - ``split`` (Mamba-2 sketch steps of one token, 0 = off) runs the read as two kernels
-      (:mod:`.read_split`): programs of ``split`` warps compute each group's dots and every
-      head's coefficients once, then programs of ``num_warps`` warps and ``heads`` heads of one
-      group sum each head's rows. It needs the pool's ``workspace``
-      (``allocate_pool`` gives Mamba-2 sketch pools one); without it, and for T > 1
-      (``spec_verify``), the read takes the one-kernel form. ``dots`` is the key groups per
-      program of the first kernel's dot programs (fewer, larger programs); 0: the head kernel
-      computes its group's dots itself, before waiting for the first kernel, which then only
-      computes coefficients and appends keys. ``heads`` and ``dots`` are powers of two, clipped to
-      the largest that divides H/G and G. ``maxnreg``, ``group`` and ``early_map`` are then the
-      one-kernel form's; the two kernels take no register cap."""
+      (:mod:`.read_split`): programs of ``split`` warps compute every head's coefficients once
+      per key group (and the group's dots, ``dots`` groups per program), then programs of
+      ``num_warps`` warps and ``heads`` heads of one group sum each head's rows. ``dots`` = 0:
+      the head kernel computes its group's dots itself, before it waits for the first kernel.
+      ``heads`` and ``dots`` are powers of two, clipped to the largest that divides H/G and G.
+      The split read needs the pool's ``workspace`` (``allocate_pool`` gives Mamba-2 sketch pools
+      one); without it, and for T > 1 (``spec_verify``), the read takes the one-kernel form, for
+      which ``maxnreg``, ``group`` and ``early_map`` stand (the two kernels take no register cap)."""
 
     block_v: int
     num_warps: int

@@ -178,9 +178,9 @@ def test_split_sketch_read_cpu(shape_id, dtype, heads, dots):
 def test_split_sketch_read_many_entries_cpu(dots):
     """The split read over more batch entries than one coefficient tile holds (``read_split.ROWS``),
     padding among them, groups of different widths, both groups' dots in one program (or in the
-    head kernel: the keys appended by the coefficient programs), two programs per head (BV = V / 2):
-    outputs
-    and buffers against the reference, and the slots not addressed untouched."""
+    head kernel, the coefficient programs appending the keys), two programs per head (BV = V / 2),
+    buffers up to full: outputs and buffers against the reference, and the slots not addressed
+    untouched."""
     from sketchcal.kernels.common import read_split
 
     h, g, kd, vd = 8, 2, 16, 16
