@@ -67,12 +67,13 @@ def build(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True, to
         return _compile(D._standard_kernel, dict(T=tokens, **common), cfg)
     if kernel in ("split_group", "split_heads"):  # Mamba-2's split sketch read (read_split.py), bf16
         from sketchcal.kernels.common import read_split as RS
-        from sketchcal.kernels.common.pool import random_sketch, rank_spread
+        from sketchcal.kernels.common.pool import random_sketch, rank_spread, workspace_layout
 
         # the benchmark's tables (mean rank 8): their map rows and widest group
         tables = random_sketch(family, rank_spread(s.heads, 8, s.key_dim), s.groups, s.key_dim)
         hg, m_rows, r = s.heads // s.groups, tables.map_rows, tables.group_maps.shape[1]
-        layout = dict(G=s.groups, K=s.key_dim, C=16, BC=16, M=m_rows, WS=hg * m_rows + 17, DOTS=hg * m_rows)
+        width, dots = workspace_layout(hg, m_rows, 16)
+        layout = dict(G=s.groups, K=s.key_dim, C=16, BC=16, M=m_rows, WS=width, DOTS=dots)
         clip = RS._dividing_power_of_two  # heads and dots as the launchers clip them
         if kernel == "split_group":
             consts = {n: v for n, v in layout.items() if n != "M"}

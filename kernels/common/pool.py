@@ -102,6 +102,14 @@ class DecodePool:
         return DecodePool(**{name: t.clone() for name, t in self.tensors().items()}, workspace=ws)
 
 
+def workspace_layout(heads_per_group: int, map_rows: int, capacity: int) -> tuple[int, int]:
+    """(row width, offset of the dots) of a Mamba-2 sketch pool's ``workspace`` row: each of a
+    group's heads' ``map_rows`` coefficients, then the dots of the new token and ``capacity``
+    buffered ones."""
+    dots = heads_per_group * map_rows
+    return dots + capacity + 1, dots
+
+
 def allocate_pool(
     family: str,
     slots: int,
@@ -142,7 +150,7 @@ def allocate_pool(
         sk_dtype = read_dtype or torch.bfloat16
         pool.sketch = torch.zeros(slots, heads, sketch_rows, value_dim, dtype=sk_dtype, **z)
         if family == "mamba2" and capacity > 0:
-            width = (heads // groups) * sketch_rows + capacity + 1
+            width, _ = workspace_layout(heads // groups, sketch_rows, capacity)
             pool.workspace = torch.zeros(slots, groups, width, dtype=torch.float32, **z)
     return pool
 

@@ -49,7 +49,7 @@ from sketchcal.kernels.common.decode import (
     _interpreting,
     _launch_options,
 )
-from sketchcal.kernels.common.pool import DecodePool, SketchTables
+from sketchcal.kernels.common.pool import DecodePool, SketchTables, workspace_layout
 from sketchcal.kernels.common.recurrence import StepInputs
 
 COLUMNS = 32  # coefficient columns per program of the group kernel: a [32, K] tile of the maps
@@ -254,11 +254,12 @@ def launch(
 
 def _workspace_layout(pool: DecodePool, tables: SketchTables, groups: int) -> tuple[int, int]:
     """(row width, offset of the dots) of the pool's workspace, checked against the tables."""
-    width, m_rows = pool.workspace.shape[-1], tables.map_rows
-    dots = (pool.heads // groups) * m_rows
-    if width != dots + pool.capacity + 1 or pool.sketch.shape[2] != m_rows:
-        raise ValueError(f"the pool's workspace [.., {width}] and sketch ({pool.sketch.shape[2]} rows) do "
-                         f"not fit tables of {m_rows} map rows: allocate the pool with sketch_rows={m_rows}")
+    m_rows = tables.map_rows
+    width, dots = workspace_layout(pool.heads // groups, m_rows, pool.capacity)
+    if pool.workspace.shape[-1] != width or pool.sketch.shape[2] != m_rows:
+        raise ValueError(f"the pool's workspace [.., {pool.workspace.shape[-1]}] and sketch "
+                         f"({pool.sketch.shape[2]} rows) do not fit tables of {m_rows} map rows: "
+                         f"allocate the pool with sketch_rows={m_rows}")
     return width, dots
 
 
@@ -292,8 +293,8 @@ def launch_heads(
     pool: DecodePool, tables: SketchTables, slots: Tensor, pos: Tensor, x: StepInputs, out: Tensor,
     cfg: KernelConfig, block_v: int, dense_rows: int,
 ) -> None:
-    """:func:`_head_kernel` over (V / BV, H, B), after :func:`launch_group`: appends w and the
-    decays; writes ``out``."""
+    """:func:`_head_kernel` over (V / BV, H / ``heads``, B), after :func:`launch_group`: appends
+    w and the decays; writes ``out``."""
     b, _, g, kd = x.k.shape
     h, vd = pool.heads, x.w.shape[-1]
     width, dots = _workspace_layout(pool, tables, g)
