@@ -122,8 +122,6 @@ SPLIT_SHAPES = [
     _K(64, 1, False, dense_rows=16, split=2, heads=4, dots=2),
     _K(64, 1, False, dense_rows=16, split=2, heads=2, dots=2),
     _K(64, 1, False, dense_rows=16, split=2, heads=2, dots=0),
-    _K(64, 1, False, dense_rows=16, split=2, heads=4, dots=0, fused=True),
-    _K(64, 1, False, dense_rows=16, split=2, heads=2, dots=0, fused=True),
 ]
 
 TUNED_KERNELS = ("standard", "replay", "sketch", "flush_replay", "flush_sketch")
@@ -131,9 +129,9 @@ TUNED_KERNELS = ("standard", "replay", "sketch", "flush_replay", "flush_sketch")
 
 def parse_config(text: str) -> KernelConfig:
     """A launch shape from its short form ``BV,WARPS[,sweep|chunked][,vec=N][,cap=N][,group=N]
-    [,rows=N][,pipe=N][,split=N][,heads=N][,dots=N][,late_map][,prefetch][,fused]``, e.g.
-    ``16,1,sweep,vec=2`` or ``64,4,cap=128``: the fields and names of BENCHMARKS.md's shape tables
-    (``cap`` is ``maxnreg``, ``rows`` is ``dense_rows``, ``pipe`` is ``pipelined``)."""
+    [,rows=N][,pipe=N][,split=N][,heads=N][,dots=N][,late_map][,prefetch]``, e.g. ``16,1,sweep,vec=2`` or
+    ``64,4,cap=128``: the fields and names of BENCHMARKS.md's shape tables (``cap`` is ``maxnreg``,
+    ``rows`` is ``dense_rows``, ``pipe`` is ``pipelined``)."""
     words = [w.strip() for w in text.split(",") if w.strip()]
     keys = {"vec": "vec", "cap": "maxnreg", "group": "group", "rows": "dense_rows", "pipe": "pipelined",
             "split": "split", "heads": "heads", "dots": "dots"}
@@ -141,15 +139,14 @@ def parse_config(text: str) -> KernelConfig:
         bv, warps, *rest = words
         opts = {keys[k]: int(v) for k, v in (w.split("=", 1) for w in rest if "=" in w)}
         flags = {w for w in rest if "=" not in w}
-        if flags - {"sweep", "chunked", "late_map", "prefetch", "fused"} or {"sweep", "chunked"} <= flags:
+        if flags - {"sweep", "chunked", "late_map", "prefetch"} or {"sweep", "chunked"} <= flags:
             raise ValueError(flags)
         return KernelConfig(int(bv), int(warps), chunked="sweep" not in flags,
-                            early_map="late_map" not in flags, prefetch="prefetch" in flags,
-                            fused="fused" in flags, **opts)
+                            early_map="late_map" not in flags, prefetch="prefetch" in flags, **opts)
     except (ValueError, KeyError) as err:
         raise SketchcalError(
             f"launch shape {text!r}: expected BV,WARPS[,sweep|chunked][,vec=N][,cap=N][,group=N]"
-            f"[,rows=N][,pipe=N][,split=N][,heads=N][,dots=N][,late_map][,prefetch][,fused] ({err})"
+            f"[,rows=N][,pipe=N][,split=N][,heads=N][,dots=N][,late_map][,prefetch] ({err})"
         ) from None
 
 

@@ -6,9 +6,8 @@ Run from the repository root with the package installed (``pip install -e .``)::
     python kernels/resources.py read gdn 64 1 sweep   # one build: kernel family BV warps [sweep] [replay]
                                                       # [vec=N] [cap=N] [group=N] [rows=N] [late_map]
                                                       # [prefetch] [pipe=N]; kernel: standard,
-                                                      # read, flush, or split_group / split_heads /
-                                                      # split_fused (Mamba-2, with split=N [heads=N]
-                                                      # [dots=N] [fused])
+                                                      # read, flush, or split_group / split_heads
+                                                      # (Mamba-2, with split=N [heads=N] [dots=N])
     python kernels/resources.py check           # compile every default and tuning candidate, both
                                                 # modes, 1 and 3 tokens; exit 1 if any fails
 
@@ -66,7 +65,7 @@ def build(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True, to
                   HAS_SKIP=family == "mamba2")
     if kernel == "standard":
         return _compile(D._standard_kernel, dict(T=tokens, **common), cfg)
-    if kernel in ("split_group", "split_heads", "split_fused"):  # Mamba-2's split sketch read, bf16
+    if kernel in ("split_group", "split_heads"):  # Mamba-2's split sketch read (read_split.py), bf16
         from sketchcal.kernels.common import read_split as RS
         from sketchcal.kernels.common.pool import random_sketch, rank_spread, workspace_layout
 
@@ -81,12 +80,8 @@ def build(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True, to
             consts.update(R=r, RB=RS.COLUMNS, BB=RS.ROWS, DG=clip(max(cfg.dots, 1), s.groups),
                           NO_DOTS=cfg.dots == 0, Q_BF16=True, EMULATE=False)
             return _compile(RS._group_kernel, consts, D.KernelConfig(1, cfg.split))
-        consts = dict(layout, H=s.heads, V=s.value_dim, BV=bv, HP=clip(cfg.heads, hg), HAS_SKIP=True,
-                      DENSE_ROWS=min(cfg.dense_rows, s.key_dim))
-        if kernel == "split_fused":
-            consts.update(R=r, RB=RS.FUSED_COLUMNS, BB=RS.ROWS, Q_BF16=True, EMULATE=False)
-            return _compile(RS._fused_kernel, consts, D.KernelConfig(1, cfg.num_warps))
-        consts.update(DOTS_HERE=cfg.dots == 0)
+        consts = dict(layout, H=s.heads, V=s.value_dim, BV=bv, HP=clip(cfg.heads, hg),
+                      DOTS_HERE=cfg.dots == 0, HAS_SKIP=True, DENSE_ROWS=min(cfg.dense_rows, s.key_dim))
         return _compile(RS._head_kernel, consts, D.KernelConfig(1, cfg.num_warps))
     if kernel == "read":
         # as the benchmark's bf16 pools: KDA's reads take the log₂ decays
@@ -133,7 +128,6 @@ def report(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True) -
     extra += "" if cfg.early_map else " late_map"
     extra += " prefetch" if cfg.prefetch else ""
     extra += f" split={cfg.split} heads={cfg.heads} dots={cfg.dots}" if cfg.split else ""
-    extra += " fused" if cfg.fused else ""
     return (f"{kernel:8s} {family:6s} {mode:6s} BV={cfg.block_v:<3d} warps={cfg.num_warps} {form:7s}"
             f"{extra:14s} regs={regs:3d} stack={spills:5d}B  occupancy≤{warps}/64 warps")
 
@@ -156,9 +150,9 @@ def builds() -> list[tuple[str, str, D.KernelConfig, bool, int]]:
         if family == "mamba2":
             from sketchcal.kernels.bench import SPLIT_SHAPES
 
+            parts = ("split_group", "split_heads")
             split = {D.default_config("sketch", family), *TUNE_CANDIDATES["sketch"][family], *SPLIT_SHAPES}
-            parts = {False: ("split_group", "split_heads"), True: ("split_fused",)}
-            out += [(part, family, cfg, True, 1) for cfg in split if cfg.split for part in parts[cfg.fused]]
+            out += [(part, family, cfg, True, 1) for cfg in split if cfg.split for part in parts]
         for sketch in (False, True):
             kind = "flush_sketch" if sketch else "flush_replay"
             for cfg in {D.default_config(kind, family), *TUNE_CANDIDATES["flush"][family]}:

@@ -112,11 +112,7 @@ class KernelConfig:
       ``heads`` and ``dots`` are powers of two, clipped to the largest that divides H/G and G.
       The split read needs the pool's ``workspace`` (``allocate_pool`` gives Mamba-2 sketch pools
       one); without it, and for T > 1 (``spec_verify``), the read takes the one-kernel form, for
-      which ``maxnreg``, ``group`` and ``early_map`` stand (the two kernels take no register cap).
-    - ``fused`` (with ``split`` and ``dots`` = 0) launches the split read's two kinds of program
-      as one kernel of ``num_warps`` warps per program (``read_split._fused_kernel``): each head
-      program waits for its entry's coefficients through a counter in the workspace, rather than
-      for the whole first kernel."""
+      which ``maxnreg``, ``group`` and ``early_map`` stand (the two kernels take no register cap)."""
 
     block_v: int
     num_warps: int
@@ -131,7 +127,6 @@ class KernelConfig:
     split: int = 0
     heads: int = 1
     dots: int = 1
-    fused: bool = False
 
     def __post_init__(self) -> None:
         for name, zero_ok in (("block_v", False), ("num_warps", False), ("dense_rows", True), ("split", True),
@@ -142,9 +137,6 @@ class KernelConfig:
                 raise ValueError(f"KernelConfig.{name} must be {allowed}, got {n}")
         if min(self.vec, self.maxnreg, self.group, self.pipelined) < 0:
             raise ValueError("KernelConfig.vec, maxnreg, group and pipelined must be ≥ 0")
-        if self.fused and (not self.split or self.dots):
-            raise ValueError("KernelConfig.fused needs split > 0 and dots = 0 (the head programs compute "
-                             f"the dots), got split={self.split}, dots={self.dots}")
 
 
 # Defaults by (kernel, family); ``block_v`` is clipped to V: the fastest launch shapes on an H200 at

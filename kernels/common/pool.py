@@ -63,12 +63,11 @@ class DecodePool:
                    which are half a KDA token's; a product of decays then carries a relative error of
                    at most |log₂ of the product| · 2⁻⁹ · ln 2, below a bf16 read's own). The flush
                    folds the fp32 decays; an fp32 read copy (exact replay) reads them too.
-        workspace  [N, G, (H/G)·M + C + 2] fp32, Mamba-2 sketch pools: what the split sketch
-                   read (``read_split.py``) hands from its coefficient programs to its head
-                   programs: per (slot, group) each head's coefficients ``P q`` (M per head, head
-                   by head), then ``k·q`` of the new token and of the C buffered ones, then the
-                   fused read's counter (0 between steps). Scratch, not state: :meth:`tensors`
-                   leaves it out and :meth:`clone` gives a fresh (zeroed) one.
+        workspace  [N, G, (H/G)·M + C + 1] fp32, Mamba-2 sketch pools: what the split sketch
+                   read (``read_split.py``) hands from its per-group kernel to its per-head
+                   one: per (slot, group) each head's coefficients ``P q`` (M per head, head by
+                   head), then ``k·q`` of the new token and of the C buffered ones. Scratch, not
+                   state: :meth:`tensors` leaves it out and :meth:`clone` gives a fresh one.
     """
 
     state: Tensor
@@ -106,9 +105,9 @@ class DecodePool:
 def workspace_layout(heads_per_group: int, map_rows: int, capacity: int) -> tuple[int, int]:
     """(row width, offset of the dots) of a Mamba-2 sketch pool's ``workspace`` row: each of a
     group's heads' ``map_rows`` coefficients, then the dots of the new token and ``capacity``
-    buffered ones, then a counter (the fused split read's; 0 between steps)."""
+    buffered ones."""
     dots = heads_per_group * map_rows
-    return dots + capacity + 2, dots
+    return dots + capacity + 1, dots
 
 
 def allocate_pool(

@@ -36,7 +36,6 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.language.extra.cuda import num_threads
 
 from sketchcal.kernels.common.decode import (
     KernelConfig,
@@ -55,43 +54,6 @@ from sketchcal.kernels.common.recurrence import StepInputs
 
 COLUMNS = 32  # coefficient columns per program of the group kernel: a [32, K] tile of the maps
 ROWS = 16  # batch entries per coefficient program (the tensor-core tile's N)
-FUSED_COLUMNS = 16  # the fused read's: its one-warp programs hold a [16, K] tile of the maps
-
-
-@triton.jit
-def _count_wait(counter, target, live, EMULATE: tl.constexpr):
-    """Spin until the fp32 ``counter`` reaches ``target``, each thread with an acquire load, so that
-    what the counting programs stored before they counted is visible to its later loads. ``live``
-    False: no wait. (Inline PTX rather than Triton's scalar atomics, whose lowering through shared
-    memory and a barrier took the head programs from 168 to ~225 registers at Triton 3.6.)"""
-    if EMULATE:
-        while (tl.atomic_add(counter, 0.0, sem="acquire") < target) & live:
-            pass
-    else:
-        while (tl.inline_asm_elementwise("ld.acquire.gpu.global.f32 $0, [$1];", "=f,l", [counter],
-                                         dtype=tl.float32, is_pure=False, pack=1) < target) & live:
-            pass
-
-
-@triton.jit
-def _count_done(counter, last, live, EMULATE: tl.constexpr):
-    """Count this program as done on ``counter`` (1 in all, 1/threads from each thread) unless
-    ``live`` is False; the thread that brings it to ``last`` sets it back to 0."""
-    if EMULATE:
-        if live:  # noqa: SIM102
-            if tl.atomic_add(counter, 1.0, sem="relaxed") == last - 1:
-                tl.store(counter, 0.0)
-    else:
-        step = 1.0 / num_threads()  # a power of two: exact
-        inc = tl.where(live, step, 0.0)
-        before_last = tl.where(live, last - step, -1.0)
-        tl.inline_asm_elementwise(
-            """{ .reg .f32 old; .reg .pred done;
-            atom.relaxed.gpu.global.add.f32 old, [$1], $2;
-            setp.eq.f32 done, old, $3;
-            @done st.relaxed.gpu.global.f32 [$1], 0f00000000;
-            mov.b32 $0, old; }""",
-            "=r,l,f,f", [counter.to(tl.int64), inc, before_last], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -102,11 +64,14 @@ def _group_kernel(
     DOTS: tl.constexpr, Q_BF16: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid (B·G/DG + G·⌈B/BB⌉·⌈R/RB⌉,), two kinds of program. ``ws`` row (slot, group):
-    ``[coefficients (H/G)·M | dots C + 1 | counter]``, the dots starting at ``DOTS``.
+    ``[coefficients (H/G)·M | dots C + 1]``, the dots starting at ``DOTS``.
 
     - the first B·G/DG, one per (batch entry, DG groups): append the new keys; the dots
       ``k_j·q`` (j < n) and the new key's (entry n), from a [DG, BC, K] tile of buffered keys;
-    - the others, :func:`_coefficients`.
+    - the others, one per (group, BB batch entries, RB map columns): the coefficients ``P q`` of
+      those entries on tensor cores, ``[RB, K] @ [K, BB]``, the fp32 maps in three bf16 terms
+      (exact products with bf16 queries; fp32 queries are split too), so every batch entry shares
+      each map tile's load.
 
     ``NO_DOTS``: no dot programs (the head kernel computes the dots); the first column tile of
     each (group, BB entries) appends their new keys."""
@@ -133,58 +98,39 @@ def _group_kernel(
         tl.store(row + p, tl.sum(k_new.to(tl.float32) * qq, axis=1),
                  mask=o_g < tl.where(live & (p <= C), G, 0))
     else:
-        _coefficients(i - n_dot, slots, pos, q, k, buf_k, ws, group_maps, group_cols, group_width, B,
-                      G, K, C, R, RB, BB, NO_DOTS, WS, Q_BF16, EMULATE, PDL, False)
-
-
-@triton.jit
-def _coefficients(
-    i, slots, pos, q, k, buf_k, ws, group_maps, group_cols, group_width, B,
-    G: tl.constexpr, K: tl.constexpr, C: tl.constexpr, R: tl.constexpr, RB: tl.constexpr,
-    BB: tl.constexpr, APPEND: tl.constexpr, WS: tl.constexpr, Q_BF16: tl.constexpr,
-    EMULATE: tl.constexpr, PDL: tl.constexpr, SIGNAL: tl.constexpr,
-):
-    """Coefficient program ``i`` of ``G·⌈B/BB⌉·⌈R/RB⌉``, one per (group, BB batch entries, RB map
-    columns): the coefficients ``P q`` of those entries on tensor cores, ``[RB, K] @ [K, BB]``, the
-    fp32 maps in three bf16 terms (exact products with bf16 queries; fp32 queries are split too),
-    so every batch entry shares each map tile's load. ``APPEND``: the first column tile also
-    appends the entries' new keys. ``SIGNAL`` (the fused read): then adds 1 to each live entry's
-    counter (the last element of its ``ws`` row), once every coefficient is stored."""
-    o_k = tl.arange(0, K)
-    NR: tl.constexpr = (R + RB - 1) // RB
-    tiles = tl.cdiv(B, BB) * NR  # per group
-    i_g = i // tiles
-    i_rb = i % NR
-    cols = i_rb * RB + tl.arange(0, RB)
-    width = tl.load(group_width + i_g)
-    used = (cols < width) & (cols < R)
-    # no step writes the tables: they are loaded before waiting for the kernel before
-    pm = tl.load(group_maps + (i_g * R + cols[:, None]) * K + o_k[None, :], mask=used[:, None], other=0.0)
-    dst = tl.load(group_cols + i_g * R + cols, mask=used, other=-1)
-    _dependent_launch(PDL)
-    o_b = ((i % tiles) // NR) * BB + tl.arange(0, BB)
-    s_in = tl.load(slots + o_b, mask=o_b < B, other=-1)
-    s = tl.maximum(s_in, 0).to(tl.int64)
-    # two ifs: the first is resolved at compile time
-    if APPEND:  # noqa: SIM102
-        if i_rb == 0:
-            p = tl.load(pos + o_b, mask=s_in >= 0, other=C)
-            kt = tl.load(k + (o_b[:, None] * G + i_g) * K + o_k[None, :], mask=o_b[:, None] < B, other=0.0)
-            dst_k = (s * G + i_g) * C + p
-            tl.store(buf_k + dst_k[:, None] * K + o_k[None, :], kt.to(buf_k.dtype.element_ty),
-                     mask=(p < C)[:, None] & (o_k[None, :] < K))
-    if i_rb * RB < width:
-        qt = tl.load(q + (o_b[None, :] * G + i_g) * K + o_k[:, None], mask=o_b[None, :] < B, other=0.0)
-        coef = tl.zeros((RB, BB), dtype=tl.float32)
-        if Q_BF16:
-            coef = _dot_fk(pm, qt, coef, True, EMULATE)
-        else:
-            coef = _dot_ff(pm, qt.to(tl.float32), coef, 3, EMULATE)
-        tl.store(ws + (s[None, :] * G + i_g) * WS + dst[:, None], coef,
-                 mask=(dst[:, None] >= 0) & (s_in >= 0)[None, :])
-    if SIGNAL:
-        tl.debug_barrier()  # every thread's stores before the release below
-        tl.atomic_add(ws + (s * G + i_g) * WS + WS - 1, 1.0, mask=s_in >= 0, sem="release")
+        NR: tl.constexpr = (R + RB - 1) // RB
+        tiles = tl.cdiv(B, BB) * NR  # per group
+        i_g = (i - n_dot) // tiles
+        i_rb = (i - n_dot) % NR
+        cols = i_rb * RB + tl.arange(0, RB)
+        width = tl.load(group_width + i_g)
+        used = (cols < width) & (cols < R)
+        # no step writes the tables: they are loaded before waiting for the kernel before
+        pm = tl.load(group_maps + (i_g * R + cols[:, None]) * K + o_k[None, :], mask=used[:, None], other=0.0)
+        dst = tl.load(group_cols + i_g * R + cols, mask=used, other=-1)
+        _dependent_launch(PDL)
+        o_b = (((i - n_dot) % tiles) // NR) * BB + tl.arange(0, BB)
+        s_in = tl.load(slots + o_b, mask=o_b < B, other=-1)
+        # no dot programs: the first column tile appends the new keys (two ifs: the first is
+        # resolved at compile time)
+        if NO_DOTS:  # noqa: SIM102
+            if i_rb == 0:
+                p = tl.load(pos + o_b, mask=s_in >= 0, other=C)
+                kt = tl.load(k + (o_b[:, None] * G + i_g) * K + o_k[None, :], mask=o_b[:, None] < B,
+                             other=0.0)
+                dst_k = (tl.maximum(s_in, 0).to(tl.int64) * G + i_g) * C + p
+                tl.store(buf_k + dst_k[:, None] * K + o_k[None, :], kt.to(buf_k.dtype.element_ty),
+                         mask=(p < C)[:, None] & (o_k[None, :] < K))
+        if i_rb * RB < width:
+            s = tl.maximum(s_in, 0).to(tl.int64)
+            qt = tl.load(q + (o_b[None, :] * G + i_g) * K + o_k[:, None], mask=o_b[None, :] < B, other=0.0)
+            coef = tl.zeros((RB, BB), dtype=tl.float32)
+            if Q_BF16:
+                coef = _dot_fk(pm, qt, coef, True, EMULATE)
+            else:
+                coef = _dot_ff(pm, qt.to(tl.float32), coef, 3, EMULATE)
+            tl.store(ws + (s[None, :] * G + i_g) * WS + dst[:, None], coef,
+                     mask=(dst[:, None] >= 0) & (s_in >= 0)[None, :])
 
 
 @triton.jit
@@ -195,73 +141,21 @@ def _head_kernel(
     DOTS: tl.constexpr, DOTS_HERE: tl.constexpr, HAS_SKIP: tl.constexpr, DENSE_ROWS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Grid (V // BV, H // HP, B): :func:`_heads`, after :func:`_group_kernel`."""
-    _heads(tl.program_id(0), tl.program_id(1), tl.program_id(2), slots, pos, q, k, w, decay, skip, out,
-           buf_k, buf_w, buf_decay, rd, sk, ranks, ws, sk_head_stride, H, G, K, V, BV, HP, C, BC, M, WS,
-           DOTS, DOTS_HERE, HAS_SKIP, DENSE_ROWS, PDL, False, 0, False)
+    """Grid (V // BV, H // HP, B): ``HP`` heads of one key group per program, as the leading
+    dimension of every tile (two [HP, BC/2, BV] halves of the buffered w, [HP, 8, BV] sketch rows),
+    so that their loads issue together and a reduction over rows stays inside a warp's tile. The
+    second half's sums run only when it holds tokens (n > BC/2): the buffer is half empty on
+    average.
 
-
-@triton.jit
-def _fused_kernel(
-    slots, pos, q, k, w, decay, skip, out, buf_k, buf_w, buf_decay, rd, sk, ranks, ws, sk_head_stride,
-    group_maps, group_cols, group_width, B,
-    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-    HP: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, M: tl.constexpr, WS: tl.constexpr,
-    DOTS: tl.constexpr, R: tl.constexpr, RB: tl.constexpr, BB: tl.constexpr, HAS_SKIP: tl.constexpr,
-    DENSE_ROWS: tl.constexpr, Q_BF16: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr,
-):
-    """The split read in one launch. Grid (G·⌈B/BB⌉·⌈R/RB⌉ + (V/BV)·(H/HP)·B,): the coefficient
-    programs of :func:`_coefficients` (which append the keys) first, then the head programs of
-    :func:`_heads` (which compute the dots), in the order of :func:`_head_kernel`'s grid.
-
-    No launch sits between them: each head program waits only for its own entry's coefficients,
-    through the counter at the end of its ``ws`` row. The coefficient programs count it up to
-    ``⌈R/RB⌉`` (release), the head programs wait for that (acquire), then count on, and the last
-    of the entry's (H/G/HP)·(V/BV) head programs sets it back to 0 for the next step. The wait
-    cannot deadlock: the coefficient programs have the lowest program ids, so they are placed
-    on the SMs first and never wait for anything but the kernel before."""
-    i = tl.program_id(0)
-    NR: tl.constexpr = (R + RB - 1) // RB
-    n_coef = G * tl.cdiv(B, BB) * NR
-    if i < n_coef:
-        _coefficients(i, slots, pos, q, k, buf_k, ws, group_maps, group_cols, group_width, B,
-                      G, K, C, R, RB, BB, True, WS, Q_BF16, EMULATE, PDL, True)
-    else:
-        j = i - n_coef
-        NV: tl.constexpr = V // BV
-        NH: tl.constexpr = H // HP
-        _heads(j % NV, (j // NV) % NH, j // (NV * NH), slots, pos, q, k, w, decay, skip, out, buf_k, buf_w,
-               buf_decay, rd, sk, ranks, ws, sk_head_stride, H, G, K, V, BV, HP, C, BC, M, WS, DOTS, True,
-               HAS_SKIP, DENSE_ROWS, PDL, True, NR, EMULATE)
-
-
-@triton.jit
-def _heads(
-    i_v, i_hp, i_b, slots, pos, q, k, w, decay, skip, out, buf_k, buf_w, buf_decay, rd, sk, ranks, ws,
-    sk_head_stride, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BV: tl.constexpr, HP: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, M: tl.constexpr,
-    WS: tl.constexpr, DOTS: tl.constexpr, DOTS_HERE: tl.constexpr, HAS_SKIP: tl.constexpr,
-    DENSE_ROWS: tl.constexpr, PDL: tl.constexpr, FUSED: tl.constexpr, NR: tl.constexpr,
-    EMULATE: tl.constexpr,
-):
-    """Head program (``i_v``, ``i_hp``, ``i_b``): ``HP`` heads of one key group of batch entry
-    ``i_b`` and BV columns, as the leading dimension of every tile (two [HP, BC/2, BV] halves of
-    the buffered w, [HP, 8, BV] sketch rows), so that their loads issue together and a reduction
-    over rows stays inside a warp's tile. The second half's sums run only when it holds tokens
-    (n > BC/2): the buffer is half empty on average.
-
-    Two launches (not ``FUSED``): only the workspace is the group kernel's output, so everything
-    else is loaded before waiting for it (``_dependent_launch``), and those loads overlap its run.
-    They come from kernels before it, which have finished by then, since the group kernel waits
-    before letting this one launch. ``DOTS_HERE``: the group's dots ``k_j·q`` are computed here
-    too, before that wait (the buffered keys it reads, j < n, are not the ones the group kernel
-    appends). ``FUSED`` (:func:`_fused_kernel`, with ``DOTS_HERE``): the program waits for the
-    kernel before first, and for its coefficients (``NR`` counts on its ``ws`` row's counter)
-    just before it loads them."""
-    if FUSED:
-        _dependent_launch(PDL)
-    o_hp = i_hp * HP + tl.arange(0, HP)  # this program's heads
-    i_g = (i_hp * HP) // (H // G)
+    Only the workspace is the group kernel's output: everything else is loaded before waiting for
+    it (``_dependent_launch``), so those loads overlap its run. They come from kernels before it,
+    which have finished by then, since the group kernel waits before letting this one launch.
+    ``DOTS_HERE``: the group's dots ``k_j·q`` are computed here too, before that wait (the buffered
+    keys it reads, j < n, are not the ones the group kernel appends)."""
+    i_v = tl.program_id(0)
+    i_b = tl.program_id(2)
+    o_hp = tl.program_id(1) * HP + tl.arange(0, HP)  # this program's heads
+    i_g = (tl.program_id(1) * HP) // (H // G)
     o_v = i_v * BV + tl.arange(0, BV)
     o_r8 = tl.arange(0, 8)
     # no early exit for padding (as in the one-kernel read): it reads slot 0, stores nothing
@@ -295,10 +189,7 @@ def _heads(
         kb_u = tl.load(buf_k + (gb + o_u[:, None]) * K + o_k[None, :], mask=o_u[:, None] < p, other=0.0)
         z_l = tl.sum(kb_l.to(tl.float32) * qk[None, :], axis=1)
         z_new = tl.sum(tl.load(k + x_g).to(tl.float32) * qk, axis=0)
-        if FUSED:  # until every coefficient program of this entry has counted
-            _count_wait(row + WS - 1, NR, live, EMULATE)
-        else:
-            _dependent_launch(PDL)
+        _dependent_launch(PDL)
     else:
         _dependent_launch(PDL)
         z_l = tl.load(row + DOTS + o_l, mask=o_l < p, other=0.0)
@@ -332,7 +223,7 @@ def _heads(
         o_k = tl.arange(0, K)
         qq = tl.load(q + (i_b * G + i_g) * K + o_k).to(tl.float32)
         for j in tl.static_range(HP):
-            i_h = i_hp * HP + j
+            i_h = tl.program_id(1) * HP + j
             if tl.load(ranks + i_h) == 0:
                 dense = _dense_read(qq, rd + (s * H + i_h) * (K * V), o_k, o_v, V, K, DENSE_ROWS)
                 ck = tl.where((o_hp == i_h)[:, None], dense[None, :], ck)
@@ -341,8 +232,6 @@ def _heads(
         o += tl.load(skip + x[:, None] * V + o_v[None, :]).to(tl.float32)
     tl.store(out + x[:, None] * V + o_v[None, :], o.to(out.dtype.element_ty),
              mask=o_v[None, :] < tl.where(live, V, 0))
-    if FUSED:  # the last of the entry's (H/G/HP)·(V/BV) head programs resets the counter
-        _count_done(row + WS - 1, NR + (H // G // HP) * (V // BV), live, EMULATE)
 
 
 def usable(family: str, pool: DecodePool, tables: SketchTables, tokens: int) -> bool:
@@ -358,10 +247,7 @@ def launch(
 ) -> None:
     """The split sketch read of one token (``usable`` is True): :func:`launch_group` with
     ``cfg.split`` warps per program, then :func:`launch_heads` with ``cfg.num_warps`` warps and
-    ``cfg.heads`` heads per program; ``cfg.fused``: :func:`launch_fused`."""
-    if cfg.fused:
-        launch_fused(pool, tables, slots, pos, x, out, cfg, block_v, dense_rows)
-        return
+    ``cfg.heads`` heads per program."""
     launch_group(pool, tables, slots, pos, x, cfg)
     launch_heads(pool, tables, slots, pos, x, out, cfg, block_v, dense_rows)
 
@@ -420,30 +306,5 @@ def launch_heads(
         H=h, G=g, K=kd, V=vd, BV=block_v, HP=hp, C=pool.capacity, BC=_buffer_block(pool.capacity),
         M=tables.map_rows, WS=width, DOTS=dots, DOTS_HERE=cfg.dots == 0, HAS_SKIP=x.skip is not None,
         DENSE_ROWS=dense_rows,
-        **_launch_options(KernelConfig(1, cfg.num_warps), pool.state.device),
-    )
-
-
-def launch_fused(
-    pool: DecodePool, tables: SketchTables, slots: Tensor, pos: Tensor, x: StepInputs, out: Tensor,
-    cfg: KernelConfig, block_v: int, dense_rows: int,
-) -> None:
-    """:func:`_fused_kernel`: the coefficient programs, then the head programs of
-    :func:`launch_heads`, in one launch of ``cfg.num_warps`` warps per program; appends the new
-    token; writes ``out``."""
-    b, _, g, kd = x.k.shape
-    h, vd = pool.heads, x.w.shape[-1]
-    width, dots = _workspace_layout(pool, tables, g)
-    sk = pool.sketch
-    r = tables.group_maps.shape[1]
-    hp = _dividing_power_of_two(cfg.heads, h // g)
-    n_coef = g * -(-b // ROWS) * -(-r // FUSED_COLUMNS)
-    _fused_kernel[(n_coef + (vd // block_v) * (h // hp) * b,)](
-        slots, pos, x.q, x.k, x.w, x.decay, x.skip if x.skip is not None else x.w, out, pool.buf_k,
-        pool.buf_w, pool.buf_decay, pool.read, sk, tables.ranks, pool.workspace, sk.shape[2] * sk.shape[3],
-        tables.group_maps, tables.group_cols, tables.group_width, b,
-        H=h, G=g, K=kd, V=vd, BV=block_v, HP=hp, C=pool.capacity, BC=_buffer_block(pool.capacity),
-        M=tables.map_rows, WS=width, DOTS=dots, R=r, RB=FUSED_COLUMNS, BB=ROWS, HAS_SKIP=x.skip is not None,
-        DENSE_ROWS=dense_rows, Q_BF16=x.q.dtype == torch.bfloat16, EMULATE=_interpreting(),
         **_launch_options(KernelConfig(1, cfg.num_warps), pool.state.device),
     )
