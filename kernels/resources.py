@@ -38,7 +38,7 @@ PTR = {
     "slots": "*i32", "pos": "*i32", "ranks": "*i32", "read_rows": "*i32",
     "q": "*bf16", "k": "*bf16", "w": "*bf16", "skip": "*bf16", "out": "*bf16",
     "buf_k": "*bf16", "buf_w": "*bf16", "buf_logdecay": "*bf16", "rd": "*bf16", "sk": "*bf16",
-    "frames": "*fp32", "maps": "*fp32",
+    "frames": "*fp32", "maps": "*fp32", "frame_terms": "*bf16",
     "sk_head_stride": "i32", "n_items": "i32", "B": "i32", "group_cols": "*i32", "group_width": "*i32",
 }
 

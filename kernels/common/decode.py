@@ -1212,7 +1212,7 @@ def flush(
         from sketchcal.kernels.common import flush_pipelined
 
         flush_pipelined.launch(
-            args, H=heads, G=g, K=kd, V=vd, C=pool.capacity,
+            args, tables.frame_terms if sketch else dummy, H=heads, G=g, K=kd, V=vd, C=pool.capacity,
             BC=_buffer_block(pool.capacity), HAS_X=common["HAS_X"], HAS_SKIP=common["HAS_SKIP"],
             HAS_READ=common["HAS_READ"], ROWS=sketch, SKETCH_OUT=sketch, SKETCH_TERMS=terms, batch=b,
             per_sm=cfg.pipelined, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,

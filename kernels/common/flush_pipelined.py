@@ -16,7 +16,10 @@ The math is the chunked flush's, for Mamba-2 (scalar decay per token, no delta r
 on tensor cores, ``(g ⊙ W)ᵀ`` split into three bf16 terms (exact to fp32 rounding), the tile
 ``Sᵀ`` [V, K] the MMA accumulator. Then the flush's new token (optional), the state store, the
 read copy (replay mode: every head; sketch mode: the dense heads) and the sketch ``R_{:m} S``
-(``Sᵀ R_{:m}ᵀ``, bf16 splits on both sides).
+(``Sᵀ R_{:m}ᵀ``, bf16 splits on both sides). R's terms come split already
+(``SketchTables.frame_terms``): the first 16 rows of the item's group are copied with its tiles,
+into a ring of two slots (this item's, the next one's), and enter the products straight from
+shared memory; rows past 16 (ranks above 16) are loaded from global memory.
 
 Gluon kernels cannot run in the CPU interpreter: the ``gpu`` tests hold this kernel to the float64
 reference (``decode.flush`` chooses it with ``KernelConfig.pipelined``).
@@ -56,13 +59,15 @@ def _split3(a):
 
 @gluon.jit
 def _issue(
-    state, buf_k, buf_w, slots, pos, item, n_items, s_smem, k_smem, w_smem,
+    state, buf_k, buf_w, slots, pos, ranks, frame_terms, item, n_items, s_smem, k_smem, w_smem, r_smem,
     H: gl.constexpr, G: gl.constexpr, K: gl.constexpr, V: gl.constexpr, C: gl.constexpr,
-    BC: gl.constexpr, LS: gl.constexpr, LB: gl.constexpr,
+    BC: gl.constexpr, LS: gl.constexpr, LB: gl.constexpr, SKETCH_OUT: gl.constexpr, TERMS: gl.constexpr,
 ):
     """Start the copies of work item ``item`` (head ``item % H`` of batch row ``item // H``) into
     shared memory: its state tile [K, V], buffered keys [BC, K] and values [BC, V] (rows ≥ n
-    zero-filled). A padding slot or an item past the end copies zeros. Returns (slot, n)."""
+    zero-filled), and with ``SKETCH_OUT`` the first 16 rows of its group's frame as ``TERMS``
+    bf16 terms [TERMS·16, K] (a head of rank 0 copies none). A padding slot or an item past the
+    end copies zeros. Returns (slot, n)."""
     valid = item < n_items
     it = gl.where(valid, item, 0)
     i_b = it // H
@@ -87,21 +92,57 @@ def _issue(
     p_w = buf_w + (s64 * H + i_h) * (C * V) + (o_c[:, None] * V + o_vb[None, :])
     m_w = (o_c[:, None] < nb) & (o_vb[None, :] < V)
     _async_load(w_smem, p_w, m_w)
+    if SKETCH_OUT:
+        sketched = live & (gl.load(ranks + i_h) > 0)
+        o_r = gl.arange(0, TERMS * 16, gl.SliceLayout(1, LB))
+        # chunk 0 of group i_h // (H/G) in frame_terms [G, ⌈K/16⌉, 3, 16, K]: its first TERMS·16 rows
+        group = frame_terms + (i_h // (H // G)) * (((K + 15) // 16) * 48 * K)
+        p_r = group + (o_r[:, None] * K + o_kb[None, :])
+        m_r = (o_r[:, None] < gl.where(sketched, TERMS * 16, 0)) & (o_kb[None, :] < K)
+        _async_load(r_smem, p_r, m_r)
     async_copy.commit_group()
     return s, n
+
+
+@gluon.jit
+def _sketch_rows(St, b1, b2, b3, p_sk, r0, m, V: gl.constexpr, MMA: gl.constexpr, A_OP: gl.constexpr,
+                 TERMS: gl.constexpr):
+    """Sketch rows ``r0 … r0 + 15`` (those below ``m``) of one head, ``Sᵀ R_{r0:r0+16}ᵀ`` [V, 16],
+    stored at ``p_sk`` (the head's sketch rows [M, V]): ``b1``-``b3`` are the chunk's terms of
+    ``Rᵀ`` [K, 16] as B operands. The products of the terms of ``Sᵀ`` and ``Rᵀ`` down to
+    2⁻⁸⁽ᵀᴱᴿᴹˢ⁻¹⁾ of the largest, one term of ``Sᵀ`` live at a time."""
+    s1 = St.to(gl.bfloat16)
+    a = gl.convert_layout(s1, A_OP)
+    acc = mma_v2(a, b1, gl.zeros([V, 16], gl.float32, MMA))
+    acc = mma_v2(a, b2, acc)
+    if TERMS == 3:
+        acc = mma_v2(a, b3, acc)
+    rest = St - s1.to(gl.float32)
+    s2 = rest.to(gl.bfloat16)
+    a = gl.convert_layout(s2, A_OP)
+    acc = mma_v2(a, b1, acc)
+    if TERMS == 3:
+        acc = mma_v2(a, b2, acc)
+        a = gl.convert_layout((rest - s2.to(gl.float32)).to(gl.bfloat16), A_OP)
+        acc = mma_v2(a, b1, acc)
+    o_vm = gl.arange(0, V, gl.SliceLayout(1, MMA))
+    o_rm = gl.arange(0, 16, gl.SliceLayout(0, MMA))
+    gl.store(p_sk + ((r0 + o_rm[None, :]) * V + o_vm[:, None]), acc.to(p_sk.dtype.element_ty),
+             mask=(r0 + o_rm[None, :] < m) & (o_vm[:, None] < V))
 
 
 @gluon.jit
 def _flush_pipelined_kernel(
     state, slots, pos, q, k, w, decay, beta, skip, out,
     buf_k, buf_w, buf_decay, buf_beta,
-    rd, read_rows, sk, ranks, frames, sk_head_stride, n_items,
+    rd, read_rows, sk, ranks, frames, sk_head_stride, frame_terms, n_items,
     H: gl.constexpr, G: gl.constexpr, K: gl.constexpr, V: gl.constexpr, C: gl.constexpr,
     BC: gl.constexpr, HAS_X: gl.constexpr, HAS_SKIP: gl.constexpr, HAS_READ: gl.constexpr,
     ROWS: gl.constexpr, SKETCH_OUT: gl.constexpr, SKETCH_TERMS: gl.constexpr,
 ):
     """The flush over ``n_items`` work items (see the module docstring); the arguments are the
-    chunked flush's (``beta``, ``buf_beta``: unused, Mamba-2 has none)."""
+    chunked flush's (``beta``, ``buf_beta``: unused, Mamba-2 has none; ``frames``: unused, the
+    sketch reads ``SketchTables.frame_terms``), then ``frame_terms``."""
     WARPS: gl.constexpr = gl.num_warps()
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
                                                   instr_shape=[16, 8])
@@ -119,6 +160,11 @@ def _flush_pipelined_kernel(
     s_smem = gl.allocate_shared_memory(gl.float32, [K, V], SS)
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SB)
     w_smem = gl.allocate_shared_memory(gl.bfloat16, [BC, V], SB)
+    if SKETCH_OUT:  # the first 16 rows of R in SKETCH_TERMS bf16 terms: this item's and the next's
+        r_ring = gl.allocate_shared_memory(gl.bfloat16, [2, SKETCH_TERMS * 16, K], SB)
+        r_next = r_ring.index(0)
+    else:
+        r_next = k_smem  # (not written: nothing to copy)
 
     pid = gl.program_id(0)
     progs = gl.num_programs(0)
@@ -126,8 +172,9 @@ def _flush_pipelined_kernel(
     o_vm = gl.arange(0, V, gl.SliceLayout(1, MMA))
     L1: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])  # the buffer's per-token scalars
     o_c1 = gl.arange(0, BC, L1)
-    s_c, n_c = _issue(state, buf_k, buf_w, slots, pos, pid, n_items, s_smem, k_smem, w_smem,
-                      H, G, K, V, C, BC, LS, LB)
+    s_c, n_c = _issue(state, buf_k, buf_w, slots, pos, ranks, frame_terms, pid, n_items, s_smem, k_smem,
+                      w_smem, r_next, H, G, K, V, C, BC, LS, LB, SKETCH_OUT, SKETCH_TERMS)
+    cur = 0  # this item's slot of r_ring
     for item in range(pid, n_items, progs):
         i_b = item // H
         i_h = item % H
@@ -142,8 +189,10 @@ def _flush_pipelined_kernel(
         wt = w_smem.permute([1, 0]).load(LT).to(gl.float32)  # Wᵀ [V, BC]
         _barrier()
         # the next head's copies run while this one is folded and stored
-        s_n, n_n = _issue(state, buf_k, buf_w, slots, pos, item + progs, n_items, s_smem, k_smem, w_smem,
-                          H, G, K, V, C, BC, LS, LB)
+        if SKETCH_OUT:
+            r_next = r_ring.index(1 - cur)
+        s_n, n_n = _issue(state, buf_k, buf_w, slots, pos, ranks, frame_terms, item + progs, n_items, s_smem,
+                          k_smem, w_smem, r_next, H, G, K, V, C, BC, LS, LB, SKETCH_OUT, SKETCH_TERMS)
         if s_c >= 0:
             s64 = s_c.to(gl.int64)
             g = gl.associative_scan(al_next, 0, _mul, reverse=True)
@@ -181,36 +230,27 @@ def _flush_pipelined_kernel(
                     gl.store(rd + head + offs, tile.to(rd.dtype.element_ty))
             if SKETCH_OUT:
                 m = gl.load(ranks + i_h)
+                p_sk = sk + (s64 * H + i_h) * sk_head_stride
+                if m > 0:  # rows 0-15: their terms were copied with the item's tiles
+                    r_cur = r_ring.index(cur)
+                    b1 = r_cur.slice(0, 16).permute([1, 0]).load(B_OP)
+                    b2 = r_cur.slice(16, 16).permute([1, 0]).load(B_OP)
+                    b3 = r_cur.slice(32 if SKETCH_TERMS == 3 else 16, 16).permute([1, 0]).load(B_OP)
+                    _sketch_rows(St, b1, b2, b3, p_sk, 0, m, V, MMA, A_OP, SKETCH_TERMS)
+                # rows 16 and up (ranks above 16): their terms straight from global memory
                 o_r = gl.arange(0, 16, gl.SliceLayout(1, LR))
                 o_kt = gl.arange(0, K, gl.SliceLayout(0, LR))
-                o_rm = gl.arange(0, 16, gl.SliceLayout(0, MMA))
-                for r0 in range(0, m, 16):
-                    rows = (r0 + o_r[:, None]) < m
-                    rm = gl.load(frames + (i_g * K + r0 + o_r[:, None]) * K + o_kt[None, :],
-                                 mask=rows & (o_kt[None, :] < K), other=0.0)
-                    b1, b2, b3 = _split3(gl.permute(rm, [1, 0]))  # R_{r0:r0+16}ᵀ [K, 16]
-                    b1 = gl.convert_layout(b1, B_OP)
-                    b2 = gl.convert_layout(b2, B_OP)
-                    # the products of the terms of Sᵀ and Rᵀ down to 2⁻⁸⁽ᵀᴱᴿᴹˢ⁻¹⁾ of the largest, one
-                    # term of Sᵀ live at a time
-                    s1 = St.to(gl.bfloat16)
-                    a = gl.convert_layout(s1, A_OP)
-                    acc = mma_v2(a, b1, gl.zeros([V, 16], gl.float32, MMA))
-                    acc = mma_v2(a, b2, acc)
+                for r0 in range(16, m, 16):
+                    chunk = frame_terms + ((i_g * ((K + 15) // 16) + r0 // 16) * 48) * K
+                    chunk += o_r[:, None] * K + o_kt[None, :]
+                    b1 = gl.convert_layout(gl.permute(gl.load(chunk), [1, 0]), B_OP)
+                    b2 = gl.convert_layout(gl.permute(gl.load(chunk + 16 * K), [1, 0]), B_OP)
+                    b3 = b2
                     if SKETCH_TERMS == 3:
-                        acc = mma_v2(a, gl.convert_layout(b3, B_OP), acc)
-                    rest = St - s1.to(gl.float32)
-                    s2 = rest.to(gl.bfloat16)
-                    a = gl.convert_layout(s2, A_OP)
-                    acc = mma_v2(a, b1, acc)
-                    if SKETCH_TERMS == 3:
-                        acc = mma_v2(a, b2, acc)
-                        a = gl.convert_layout((rest - s2.to(gl.float32)).to(gl.bfloat16), A_OP)
-                        acc = mma_v2(a, b1, acc)
-                    p_sk = sk + (s64 * H + i_h) * sk_head_stride + ((r0 + o_rm[None, :]) * V + o_vm[:, None])
-                    m_sk = (r0 + o_rm[None, :] < m) & (o_vm[:, None] < V)
-                    gl.store(p_sk, acc.to(sk.dtype.element_ty), mask=m_sk)
+                        b3 = gl.convert_layout(gl.permute(gl.load(chunk + 32 * K), [1, 0]), B_OP)
+                    _sketch_rows(St, b1, b2, b3, p_sk, r0, m, V, MMA, A_OP, SKETCH_TERMS)
         s_c, n_c = s_n, n_n
+        cur = 1 - cur
     async_copy.wait_group(0)
 
 
@@ -219,17 +259,18 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def launch(args: tuple, *, H: int, G: int, K: int, V: int, C: int, BC: int, HAS_X: bool, HAS_SKIP: bool,
-           HAS_READ: bool, ROWS: bool, SKETCH_OUT: bool, SKETCH_TERMS: int, batch: int, per_sm: int,
-           num_warps: int, maxnreg: int = 0) -> None:
+def launch(args: tuple, frame_terms: torch.Tensor, *, H: int, G: int, K: int, V: int, C: int, BC: int,
+           HAS_X: bool, HAS_SKIP: bool, HAS_READ: bool, ROWS: bool, SKETCH_OUT: bool, SKETCH_TERMS: int,
+           batch: int, per_sm: int, num_warps: int, maxnreg: int = 0) -> None:
     """Launch the kernel on ``per_sm`` programs per SM (at most one per work item); ``args``: the
-    chunked flush's arguments (``decode.flush``)."""
+    chunked flush's arguments (``decode.flush``); ``frame_terms``: ``SketchTables.frame_terms``
+    (any tensor when not ``SKETCH_OUT``)."""
     n_items = batch * H
     dev = args[0].device
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     grid = (max(1, min(n_items, per_sm * _sm_count(index))),)
     _flush_pipelined_kernel[grid](
-        *args, n_items, H=H, G=G, K=K, V=V, C=C, BC=BC, HAS_X=HAS_X, HAS_SKIP=HAS_SKIP, HAS_READ=HAS_READ,
-        ROWS=ROWS, SKETCH_OUT=SKETCH_OUT, SKETCH_TERMS=SKETCH_TERMS, num_warps=num_warps,
+        *args, frame_terms, n_items, H=H, G=G, K=K, V=V, C=C, BC=BC, HAS_X=HAS_X, HAS_SKIP=HAS_SKIP,
+        HAS_READ=HAS_READ, ROWS=ROWS, SKETCH_OUT=SKETCH_OUT, SKETCH_TERMS=SKETCH_TERMS, num_warps=num_warps,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )

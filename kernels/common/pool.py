@@ -176,6 +176,10 @@ class SketchTables:
         group_cols   [G, R] int32: where each row's coefficient goes in a workspace row
                      (``(h mod H/G) · M + r``), -1 past the group's rows
         group_width  [G] int32: Σ m over the group's heads
+        frame_terms  [G, ⌈K/16⌉, 3, 16, K] bf16: the frames in chunks of 16 rows, each chunk as
+                     three bf16 terms (largest first; their sum is R exact to fp32 rounding), for
+                     the sketch of the Gluon flush (``flush_pipelined.py``), which copies a group's
+                     first chunk into shared memory as it is; rows past K are zero
     """
 
     family: str
@@ -186,6 +190,7 @@ class SketchTables:
     group_maps: Tensor | None = field(default=None, init=False)
     group_cols: Tensor | None = field(default=None, init=False)
     group_width: Tensor | None = field(default=None, init=False)
+    frame_terms: Tensor | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         # checked once here, not per step (that would be a host sync): the flush refreshes a
@@ -200,6 +205,19 @@ class SketchTables:
             raise ValueError(f"read_rows must be {key_dim} (a dense head) or 0 per head, got {bad}")
         if self.family == "mamba2":
             self._pack_group_maps()
+            self._split_frames()
+
+    def _split_frames(self) -> None:
+        groups, key_dim = self.frames.shape[0], self.frames.shape[-1]
+        chunks = -(-key_dim // 16)
+        rows = torch.zeros(groups, chunks * 16, key_dim, dtype=torch.float32, device=self.frames.device)
+        rows[:, :key_dim] = self.frames
+        terms, rest = [], rows
+        for _ in range(3):
+            terms.append(rest.to(torch.bfloat16))
+            rest = rest - terms[-1].float()
+        # [G, chunks·16, K] × 3 → [G, chunks, 3, 16, K]
+        self.frame_terms = torch.stack([t.view(groups, chunks, 16, key_dim) for t in terms], 2).contiguous()
 
     def _pack_group_maps(self) -> None:
         groups, key_dim = self.frames.shape[0], self.frames.shape[-1]

@@ -278,6 +278,23 @@ def test_packed_group_maps_hold_each_heads_rows():
     assert random_sketch("gdn", ranks, g, kd).group_maps is None
 
 
+@pytest.mark.parametrize("kd", [32, 40])
+def test_frame_terms_sum_to_the_frames(kd):
+    """``SketchTables.frame_terms`` [G, ⌈K/16⌉, 3, 16, K]: chunk c's three bf16 terms of row r sum
+    to row 16c + r of the group's frame in float64 (exact: each term is the rounding of what
+    the ones before it leave), each smaller than the one before; rows past K are zero."""
+    tables = random_sketch("mamba2", [4, 8, 0, 12], 2, kd, torch.Generator().manual_seed(4))
+    terms = tables.frame_terms
+    chunks = -(-kd // 16)
+    assert terms.shape == (2, chunks, 3, 16, kd) and terms.dtype == torch.bfloat16
+    rows = terms.double().sum(2).reshape(2, chunks * 16, kd)
+    assert torch.equal(rows[:, :kd], tables.frames.double())
+    assert not rows[:, kd:].any()
+    big, mid, small = terms.double().abs().unbind(2)
+    assert (mid <= big * 2**-7).all() and (small <= mid * 2**-7).all()
+    assert random_sketch("gdn", [4, 8], 1, kd).frame_terms is None
+
+
 @pytest.mark.parametrize("rows", [0, 8])
 @pytest.mark.parametrize("op", ["replay", "sketch", "spec_sketch"])
 @pytest.mark.parametrize("family", FAMILIES)
