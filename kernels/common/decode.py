@@ -177,6 +177,13 @@ FP8_CONFIGS: dict[tuple[str, str], KernelConfig] = {
 
 CHUNK_MIN = 16  # tl.dot needs at least 16 rows/columns: buffer tiles are padded to this
 
+# How the tensor-core flushes (chunked, and Mamba-2's Gluon one) compute the sketch ``Sᵀ R_{:m}ᵀ``,
+# by whether it is stored in fp32 (``_dot_ff``'s TERMS): fp32, both sides in three bf16 terms
+# (exact to fp32 rounding); bf16 or fp8, the folded state rounded to bf16 (what a bf16 read copy
+# of it holds) times R in two terms, about 1.5 times the error of storing the exact sketch in bf16
+# (BENCHMARKS.md, run 62: 1.6e-3 against 1.1e-3, relative), for 2 products instead of 3.
+SKETCH_TERMS = {True: 3, False: 1}
+
 
 def default_config(kernel: str, family: str, read_dtype: torch.dtype | None = None) -> KernelConfig:
     """The default launch shape of ``kernel`` for ``family`` with a read copy of ``read_dtype``
@@ -371,14 +378,17 @@ def _dot_fk(a, b, acc, B_BF16: tl.constexpr, EMULATE: tl.constexpr):
 def _dot_ff(a, b, acc, TERMS: tl.constexpr, EMULATE: tl.constexpr):
     """``acc + a @ b`` for two fp32 tiles, each split into ``TERMS`` bf16 terms: the products of
     terms weighing at least 2⁻⁸⁽ᵀᴱᴿᴹˢ⁻¹⁾ (3 of them for 2 terms, ~16 bits; 6 for 3, ~fp32
-    rounding), smallest first."""
-    a1, a2, a3 = _split_bf16(a, TERMS)
-    b1, b2, b3 = _split_bf16(b, TERMS)
+    rounding), smallest first. ``TERMS`` = 1: ``a`` rounded to bf16, ``b`` in two terms, so the
+    product of bf16(a) and b to ~16 bits (``SKETCH_TERMS``: a sketch stored in bf16 or fp8)."""
+    SPLIT: tl.constexpr = 3 if TERMS == 3 else 2
+    a1, a2, a3 = _split_bf16(a, SPLIT)
+    b1, b2, b3 = _split_bf16(b, SPLIT)
     if TERMS == 3:
         acc = _bdot(a3, b1, acc, EMULATE)
         acc = _bdot(a2, b2, acc, EMULATE)
         acc = _bdot(a1, b3, acc, EMULATE)
-    acc = _bdot(a2, b1, acc, EMULATE)
+    if TERMS > 1:
+        acc = _bdot(a2, b1, acc, EMULATE)
     acc = _bdot(a1, b2, acc, EMULATE)
     return _bdot(a1, b1, acc, EMULATE)
 
@@ -1207,7 +1217,7 @@ def flush(
         SKETCH_OUT=sketch, **_launch_options(cfg, pool.state.device),
     )
     grid = (vd // bv, heads, b)
-    terms = 3 if sk.dtype == torch.float32 else 2  # a low-precision sketch: 2 bf16 terms (~16 bits)
+    terms = SKETCH_TERMS[sk.dtype == torch.float32]
     if _pipelined(cfg, family, pool):
         from sketchcal.kernels.common import flush_pipelined
 

@@ -6,7 +6,9 @@ warps per SM the flush waits on memory latency (BENCHMARKS.md). Here each progra
 ``pid, pid + programs, …`` (work item = batch row × H + head). As soon as a head's state tile and
 buffer have moved from shared memory into registers, the program starts the next head's copies
 into the same shared memory (``cp.async``: no registers held), which then run while it folds and
-stores the current head.
+stores the current head. The head's small inputs (its buffered decays, the new token) are loaded
+into registers one head ahead too, and the slot of the head after that, so that no load waits
+at the start of a head (run 63: 314 against 322 µs at batch 256).
 
 The math is the chunked flush's, for Mamba-2 (scalar decay per token, no delta rule): with the
 ``n`` buffered tokens' keys ``K_b`` [BC, K] (bf16), values ``W`` [BC, V] and decays ``α``,
@@ -16,7 +18,7 @@ The math is the chunked flush's, for Mamba-2 (scalar decay per token, no delta r
 on tensor cores, ``(g ⊙ W)ᵀ`` split into three bf16 terms (exact to fp32 rounding), the tile
 ``Sᵀ`` [V, K] the MMA accumulator. Then the flush's new token (optional), the state store, the
 read copy (replay mode: every head; sketch mode: the dense heads) and the sketch ``R_{:m} S``
-(``Sᵀ R_{:m}ᵀ``, bf16 splits on both sides). R's terms come split already
+(``Sᵀ R_{:m}ᵀ`` on tensor cores, as ``decode.SKETCH_TERMS`` defines it). R's terms come split already
 (``SketchTables.frame_terms``): the first 16 rows of the item's group are copied with its tiles,
 into a ring of two slots (this item's, the next one's), and enter the products straight from
 shared memory; rows past 16 (ranks above 16) are loaded from global memory.
@@ -58,23 +60,25 @@ def _split3(a):
 
 
 @gluon.jit
+def _entry(slots, pos, item, n_items, H: gl.constexpr):
+    """Work item ``item``'s (slot, buffered tokens n); slot -1 for padding or past the end."""
+    valid = item < n_items
+    i_b = gl.where(valid, item, 0) // H
+    return gl.where(valid, gl.load(slots + i_b), -1), gl.load(pos + i_b)
+
+
+@gluon.jit
 def _issue(
-    state, buf_k, buf_w, slots, pos, ranks, frame_terms, item, n_items, s_smem, k_smem, w_smem, r_smem,
+    state, buf_k, buf_w, ranks, frame_terms, item, s, n, s_smem, k_smem, w_smem, r_smem,
     H: gl.constexpr, G: gl.constexpr, K: gl.constexpr, V: gl.constexpr, C: gl.constexpr,
     BC: gl.constexpr, LS: gl.constexpr, LB: gl.constexpr, SKETCH_OUT: gl.constexpr, TERMS: gl.constexpr,
 ):
-    """Start the copies of work item ``item`` (head ``item % H`` of batch row ``item // H``) into
-    shared memory: its state tile [K, V], buffered keys [BC, K] and values [BC, V] (rows ≥ n
-    zero-filled), and with ``SKETCH_OUT`` the first 16 rows of its group's frame as ``TERMS``
-    bf16 terms [TERMS·16, K] (a head of rank 0 copies none). A padding slot or an item past the
-    end copies zeros. Returns (slot, n)."""
-    valid = item < n_items
-    it = gl.where(valid, item, 0)
-    i_b = it // H
-    i_h = it % H
-    s = gl.load(slots + i_b)
-    s = gl.where(valid, s, -1)
-    n = gl.load(pos + i_b)
+    """Start the copies of work item ``item`` (head ``item % H`` of batch row ``item // H``; slot
+    ``s`` and ``n`` from :func:`_entry`) into shared memory: its state tile [K, V], buffered keys
+    [BC, K] and values [BC, V] (rows ≥ n zero-filled), and with ``SKETCH_OUT`` the first 16 rows
+    of its group's frame as two bf16 terms [32, K] (three, [48, K], when ``TERMS`` is 3; a head of
+    rank 0 copies none). A padding slot or an item past the end copies zeros."""
+    i_h = item % H
     live = s >= 0
     s64 = gl.where(live, s, 0).to(gl.int64)
     o_k = gl.arange(0, K, gl.SliceLayout(1, LS))
@@ -94,14 +98,42 @@ def _issue(
     _async_load(w_smem, p_w, m_w)
     if SKETCH_OUT:
         sketched = live & (gl.load(ranks + i_h) > 0)
-        o_r = gl.arange(0, TERMS * 16, gl.SliceLayout(1, LB))
-        # chunk 0 of group i_h // (H/G) in frame_terms [G, ⌈K/16⌉, 3, 16, K]: its first TERMS·16 rows
+        RT: gl.constexpr = 3 if TERMS == 3 else 2
+        o_r = gl.arange(0, RT * 16, gl.SliceLayout(1, LB))
+        # chunk 0 of group i_h // (H/G) in frame_terms [G, ⌈K/16⌉, 3, 16, K]: its first RT·16 rows
         group = frame_terms + (i_h // (H // G)) * (((K + 15) // 16) * 48 * K)
         p_r = group + (o_r[:, None] * K + o_kb[None, :])
-        m_r = (o_r[:, None] < gl.where(sketched, TERMS * 16, 0)) & (o_kb[None, :] < K)
+        m_r = (o_r[:, None] < gl.where(sketched, RT * 16, 0)) & (o_kb[None, :] < K)
         _async_load(r_smem, p_r, m_r)
     async_copy.commit_group()
-    return s, n
+
+
+@gluon.jit
+def _small_inputs(
+    k, q, w, decay, skip, buf_decay, item, s, n, H: gl.constexpr, G: gl.constexpr, K: gl.constexpr,
+    V: gl.constexpr, C: gl.constexpr, BC: gl.constexpr, L1: gl.constexpr, HAS_X: gl.constexpr,
+    HAS_SKIP: gl.constexpr,
+):
+    """Work item ``item``'s small inputs, loaded one item ahead into few registers (1-D layouts
+    spread over the whole program): the buffered decays ``α_j`` and ``α_{j+1}`` [BC] (1 past n),
+    and with ``HAS_X`` the new token's key and query [K], value and skip [V] and decay."""
+    i_b = item // H
+    i_h = item % H
+    hb = (gl.where(s >= 0, s, 0).to(gl.int64) * H + i_h) * C
+    o_c = gl.arange(0, BC, L1)
+    al = gl.load(buf_decay + hb + o_c, mask=o_c < n, other=1.0)
+    al_next = gl.load(buf_decay + hb + o_c + 1, mask=o_c + 1 < n, other=1.0)
+    o_k = gl.arange(0, K, L1)
+    o_v = gl.arange(0, V, L1)
+    live = (s >= 0) & HAS_X
+    xk = (i_b * G + i_h // (H // G)) * K
+    kk = gl.load(k + xk + o_k, mask=live & (o_k < K), other=0.0)
+    qq = gl.load(q + xk + o_k, mask=live & (o_k < K), other=0.0)
+    xw = (i_b * H + i_h) * V
+    ww = gl.load(w + xw + o_v, mask=live & (o_v < V), other=0.0)
+    sw = gl.load(skip + xw + o_v, mask=live & HAS_SKIP & (o_v < V), other=0.0)
+    dd = gl.load(decay + i_b * H + i_h, mask=live, other=1.0)
+    return al, al_next, kk, qq, ww, sw, dd
 
 
 @gluon.jit
@@ -110,17 +142,19 @@ def _sketch_rows(St, b1, b2, b3, p_sk, r0, m, V: gl.constexpr, MMA: gl.constexpr
     """Sketch rows ``r0 … r0 + 15`` (those below ``m``) of one head, ``Sᵀ R_{r0:r0+16}ᵀ`` [V, 16],
     stored at ``p_sk`` (the head's sketch rows [M, V]): ``b1``-``b3`` are the chunk's terms of
     ``Rᵀ`` [K, 16] as B operands. The products of the terms of ``Sᵀ`` and ``Rᵀ`` down to
-    2⁻⁸⁽ᵀᴱᴿᴹˢ⁻¹⁾ of the largest, one term of ``Sᵀ`` live at a time."""
+    2⁻⁸⁽ᵀᴱᴿᴹˢ⁻¹⁾ of the largest, one term of ``Sᵀ`` live at a time; ``TERMS`` = 1: ``Sᵀ`` rounded
+    to bf16 times both terms of ``Rᵀ`` (``decode._dot_ff``'s definition)."""
     s1 = St.to(gl.bfloat16)
     a = gl.convert_layout(s1, A_OP)
     acc = mma_v2(a, b1, gl.zeros([V, 16], gl.float32, MMA))
     acc = mma_v2(a, b2, acc)
     if TERMS == 3:
         acc = mma_v2(a, b3, acc)
-    rest = St - s1.to(gl.float32)
-    s2 = rest.to(gl.bfloat16)
-    a = gl.convert_layout(s2, A_OP)
-    acc = mma_v2(a, b1, acc)
+    if TERMS > 1:
+        rest = St - s1.to(gl.float32)
+        s2 = rest.to(gl.bfloat16)
+        a = gl.convert_layout(s2, A_OP)
+        acc = mma_v2(a, b1, acc)
     if TERMS == 3:
         acc = mma_v2(a, b2, acc)
         a = gl.convert_layout((rest - s2.to(gl.float32)).to(gl.bfloat16), A_OP)
@@ -160,28 +194,30 @@ def _flush_pipelined_kernel(
     s_smem = gl.allocate_shared_memory(gl.float32, [K, V], SS)
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SB)
     w_smem = gl.allocate_shared_memory(gl.bfloat16, [BC, V], SB)
-    if SKETCH_OUT:  # the first 16 rows of R in SKETCH_TERMS bf16 terms: this item's and the next's
-        r_ring = gl.allocate_shared_memory(gl.bfloat16, [2, SKETCH_TERMS * 16, K], SB)
+    if SKETCH_OUT:  # the first 16 rows of R in two (three) bf16 terms: this item's and the next's
+        r_ring = gl.allocate_shared_memory(gl.bfloat16, [2, (3 if SKETCH_TERMS == 3 else 2) * 16, K], SB)
         r_next = r_ring.index(0)
     else:
         r_next = k_smem  # (not written: nothing to copy)
 
     pid = gl.program_id(0)
     progs = gl.num_programs(0)
-    o_km = gl.arange(0, K, gl.SliceLayout(0, MMA))
     o_vm = gl.arange(0, V, gl.SliceLayout(1, MMA))
-    L1: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])  # the buffer's per-token scalars
+    L1: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])  # per-token scalars, the new token
     o_c1 = gl.arange(0, BC, L1)
-    s_c, n_c = _issue(state, buf_k, buf_w, slots, pos, ranks, frame_terms, pid, n_items, s_smem, k_smem,
-                      w_smem, r_next, H, G, K, V, C, BC, LS, LB, SKETCH_OUT, SKETCH_TERMS)
+    # the first item's copies and small inputs, and the next item's slot: then, in each iteration,
+    # the next item's copies and small inputs and the slot of the one after, a step ahead of use
+    s_c, n_c = _entry(slots, pos, pid, n_items, H)
+    _issue(state, buf_k, buf_w, ranks, frame_terms, pid, s_c, n_c, s_smem, k_smem, w_smem, r_next,
+           H, G, K, V, C, BC, LS, LB, SKETCH_OUT, SKETCH_TERMS)
+    al, al_next, kk, qq, ww, sw, dd = _small_inputs(k, q, w, decay, skip, buf_decay, pid, s_c, n_c, H, G, K,
+                                                    V, C, BC, L1, HAS_X, HAS_SKIP)
+    s_n, n_n = _entry(slots, pos, pid + progs, n_items, H)
     cur = 0  # this item's slot of r_ring
     for item in range(pid, n_items, progs):
         i_b = item // H
         i_h = item % H
         i_g = i_h // (H // G)
-        hb = (gl.where(s_c >= 0, s_c, 0).to(gl.int64) * H + i_h) * C
-        al = gl.load(buf_decay + hb + o_c1, mask=o_c1 < n_c, other=1.0)
-        al_next = gl.load(buf_decay + hb + o_c1 + 1, mask=o_c1 + 1 < n_c, other=1.0)
         async_copy.wait_group(0)
         _barrier()
         St = s_smem.permute([1, 0]).load(MMA)  # Sᵀ [V, K]
@@ -191,8 +227,13 @@ def _flush_pipelined_kernel(
         # the next head's copies run while this one is folded and stored
         if SKETCH_OUT:
             r_next = r_ring.index(1 - cur)
-        s_n, n_n = _issue(state, buf_k, buf_w, slots, pos, ranks, frame_terms, item + progs, n_items, s_smem,
-                          k_smem, w_smem, r_next, H, G, K, V, C, BC, LS, LB, SKETCH_OUT, SKETCH_TERMS)
+        nxt = item + progs
+        _issue(state, buf_k, buf_w, ranks, frame_terms, nxt, s_n, n_n, s_smem, k_smem, w_smem, r_next,
+               H, G, K, V, C, BC, LS, LB, SKETCH_OUT, SKETCH_TERMS)
+        nxt = gl.where(nxt < n_items, nxt, 0)
+        al_n, al_next_n, kk_n, qq_n, ww_n, sw_n, dd_n = _small_inputs(
+            k, q, w, decay, skip, buf_decay, nxt, s_n, n_n, H, G, K, V, C, BC, L1, HAS_X, HAS_SKIP)
+        s_nn, n_nn = _entry(slots, pos, item + 2 * progs, n_items, H)
         if s_c >= 0:
             s64 = s_c.to(gl.int64)
             g = gl.associative_scan(al_next, 0, _mul, reverse=True)
@@ -203,16 +244,13 @@ def _flush_pipelined_kernel(
             St = mma_v2(gl.convert_layout(a2, A_OP), kb, St)
             St = mma_v2(gl.convert_layout(a1, A_OP), kb, St)
             if HAS_X:
-                xk = (i_b * G + i_g) * K
-                kk = gl.load(k + xk + o_km).to(gl.float32)
-                qq = gl.load(q + xk + o_km).to(gl.float32)
                 xw = (i_b * H + i_h) * V
-                ww = gl.load(w + xw + o_vm).to(gl.float32)
-                dd = gl.load(decay + i_b * H + i_h).to(gl.float32)
-                St = St * dd + ww[:, None] * kk[None, :]
-                o = gl.sum(St * qq[None, :], axis=1)
+                kx = gl.convert_layout(kk, gl.SliceLayout(0, MMA)).to(gl.float32)
+                vx = gl.convert_layout(ww, gl.SliceLayout(1, MMA)).to(gl.float32)
+                St = St * dd.to(gl.float32) + vx[:, None] * kx[None, :]
+                o = gl.sum(St * gl.convert_layout(qq, gl.SliceLayout(0, MMA)).to(gl.float32)[None, :], axis=1)
                 if HAS_SKIP:
-                    o += gl.load(skip + xw + o_vm).to(gl.float32)
+                    o += gl.convert_layout(sw, gl.SliceLayout(1, MMA)).to(gl.float32)
                 gl.store(out + xw + o_vm, o.to(out.dtype.element_ty))
             # one 64-bit base per head, 32-bit offsets within it
             head = (s64 * H + i_h) * (K * V)
@@ -249,7 +287,8 @@ def _flush_pipelined_kernel(
                     if SKETCH_TERMS == 3:
                         b3 = gl.convert_layout(gl.permute(gl.load(chunk + 32 * K), [1, 0]), B_OP)
                     _sketch_rows(St, b1, b2, b3, p_sk, r0, m, V, MMA, A_OP, SKETCH_TERMS)
-        s_c, n_c = s_n, n_n
+        s_c, n_c, s_n, n_n = s_n, n_n, s_nn, n_nn
+        al, al_next, kk, qq, ww, sw, dd = al_n, al_next_n, kk_n, qq_n, ww_n, sw_n, dd_n
         cur = 1 - cur
     async_copy.wait_group(0)
 

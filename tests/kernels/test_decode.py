@@ -278,6 +278,46 @@ def test_packed_group_maps_hold_each_heads_rows():
     assert random_sketch("gdn", ranks, g, kd).group_maps is None
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("family", "config"),
+    [("mamba2", decode.default_config("flush_sketch", "mamba2")), ("mamba2", decode.KernelConfig(64, 4)),
+     ("gdn", decode.KernelConfig(64, 4))],
+    ids=["mamba2-gluon", "mamba2-chunked", "gdn-chunked"],
+)
+def test_tensor_core_flush_sketches_the_bf16_state_gpu(family, config):
+    """A bf16 sketch from the tensor-core flushes (Mamba-2's Gluon default, the chunked one) is
+    ``decode.SKETCH_TERMS``'s: R_{:m} (two bf16 terms) times the folded state rounded to bf16.
+    Against that definition, computed in float64 from the reference's folded state, only values
+    at a rounding boundary differ (by their last bit); against the exact sketch (the
+    reference's) every value carries the state's rounding too. Real shape, ranks 4-24 (a second
+    chunk of 16 rows), 3 of 5 slots flushed with 15, 7 and 0 buffered tokens. (The CPU
+    interpreter rounds to bf16 otherwise than the GPU, so this holds on a GPU only.)"""
+    h, g, kd, vd = GPU_SHAPES[family]
+    gen = torch.Generator().manual_seed(31)
+    ranks = _ranks(h, kd, True)
+    tables = random_sketch(family, ranks, g, kd, gen).to("cuda")
+    pool = random_pool(family, 5, h, g, kd, vd, capacity=16, sketch_rows=tables.map_rows, device="cuda",
+                       generator=gen)
+    slots = torch.tensor([4, 1, 3], dtype=torch.int32, device="cuda")
+    pos = torch.tensor([15, 7, 0], dtype=torch.int32, device="cuda")
+    x = random_inputs(family, 3, 1, h, g, kd, vd, device="cuda", generator=gen)
+    want = pool.clone()
+    ref.flush(family, want, slots, pos, x, tables)
+    decode.flush(family, pool, slots, pos, x, torch.empty_like(x.w), tables=tables, config=config)
+    got, exact, defined = [], [], []
+    for s in slots.long().tolist():
+        for head, m in enumerate(ranks):
+            if m:
+                frame = tables.frames[head // (h // g), :m].double()
+                state = want.state[s, head].to(torch.bfloat16).double()
+                defined.append((frame @ state).to(torch.bfloat16).double())
+                got.append(pool.sketch[s, head, :m].double())
+                exact.append(want.sketch[s, head, :m].double())
+    got, exact, defined = torch.cat(got), torch.cat(exact), torch.cat(defined)
+    assert _rel(got, defined) <= 5e-4 < 1e-3 <= _rel(got, exact) <= 4e-3
+
+
 @pytest.mark.parametrize("kd", [32, 40])
 def test_frame_terms_sum_to_the_frames(kd):
     """``SketchTables.frame_terms`` [G, ⌈K/16⌉, 3, 16, K]: chunk c's three bf16 terms of row r sum
