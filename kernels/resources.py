@@ -94,9 +94,10 @@ def build(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True, to
         from sketchcal.kernels.common import flush_pipelined as P
 
         consts = {k: v for k, v in consts.items() if k not in ("BV", "FAMILY")}
-        return _compile(P._flush_pipelined_kernel, dict(consts, BC=16, SKETCH_TERMS=2), cfg, gluon=True)
+        consts.update(BC=16, SKETCH_TERMS=D.SKETCH_TERMS[False])  # a bf16 sketch, as the benchmark's
+        return _compile(P._flush_pipelined_kernel, consts, cfg, gluon=True)
     if cfg.chunked:
-        consts.update(BC=16, LOG2_BC=4, K_BF16=True, SKETCH_TERMS=2, EMULATE=False)
+        consts.update(BC=16, LOG2_BC=4, K_BF16=True, SKETCH_TERMS=D.SKETCH_TERMS[False], EMULATE=False)
         return _compile(D._flush_chunk_kernel, consts, cfg)
     return _compile(D._flush_kernel, dict(VEC=cfg.vec, PREFETCH=D._prefetch(cfg), **consts), cfg)
 
