@@ -46,8 +46,9 @@ Precision: the checkpoint stays an fp32 recurrence. Every tensor-core product th
 fp32-accurate: an fp32 tile split into three bf16 terms times bf16 keys (exact products, fp32
 accumulation), two fp32 tiles split into three terms each (the six largest products), or 3xTF32;
 products of decays are running products, never ratios (the token-by-token flush's scale is
-folded in before its reciprocal passes 2⁶⁴), so nothing overflows. Only a bf16 sketch is written
-from two-term splits (~16 bits, below the bf16 store's rounding). KDA's reads from a bf16 read copy
+folded in before its reciprocal passes 2⁶⁴), so nothing overflows. Only a bf16 or fp8 sketch is
+written otherwise by the tensor-core flushes: the frame in two bf16 terms times the folded state
+rounded to bf16 (:data:`SKETCH_TERMS`), then rounded to its dtype. KDA's reads from a bf16 read copy
 or sketch take the buffered decays as bf16 log₂ (``DecodePool.buf_logdecay``: half the bytes of the
 fp32 decays, a relative error of at most |log₂ of a product of decays| · 2⁻⁹ · ln 2 on it); the
 flush always folds the fp32 decays.
