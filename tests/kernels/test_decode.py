@@ -292,7 +292,7 @@ def test_tensor_core_flush_sketches_the_bf16_state_gpu(family, config):
     at a rounding boundary differ (by their last bit); against the exact sketch (the
     reference's) every value carries the state's rounding too. Real shape, ranks 4-24 (a second
     chunk of 16 rows), 3 of 5 slots flushed with 15, 7 and 0 buffered tokens. (The CPU
-    interpreter rounds to bf16 otherwise than the GPU, so this holds on a GPU only.)"""
+    interpreter truncates to bf16 where the GPU rounds to nearest, so this holds on a GPU only.)"""
     h, g, kd, vd = GPU_SHAPES[family]
     gen = torch.Generator().manual_seed(31)
     ranks = _ranks(h, kd, True)
