@@ -25,6 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -94,10 +95,11 @@ def build(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True, to
         from sketchcal.kernels.common import flush_pipelined as P
 
         consts = {k: v for k, v in consts.items() if k not in ("BV", "FAMILY")}
-        consts.update(BC=16, SKETCH_TERMS=D.SKETCH_TERMS[False])  # a bf16 sketch, as the benchmark's
+        consts.update(BC=16, SKETCH_TERMS=D.sketch_terms(torch.bfloat16))  # a bf16 sketch, as the benchmark's
         return _compile(P._flush_pipelined_kernel, consts, cfg, gluon=True)
     if cfg.chunked:
-        consts.update(BC=16, LOG2_BC=4, K_BF16=True, SKETCH_TERMS=D.SKETCH_TERMS[False], EMULATE=False)
+        consts.update(BC=16, LOG2_BC=4, K_BF16=True, SKETCH_TERMS=D.sketch_terms(torch.bfloat16),
+                      EMULATE=False)
         return _compile(D._flush_chunk_kernel, consts, cfg)
     return _compile(D._flush_kernel, dict(VEC=cfg.vec, PREFETCH=D._prefetch(cfg), **consts), cfg)
 

@@ -48,7 +48,7 @@ accumulation), two fp32 tiles split into three terms each (the six largest produ
 products of decays are running products, never ratios (the token-by-token flush's scale is
 folded in before its reciprocal passes 2⁶⁴), so nothing overflows. Only a bf16 or fp8 sketch is
 written otherwise by the tensor-core flushes: the frame in two bf16 terms times the folded state
-rounded to bf16 (:data:`SKETCH_TERMS`), then rounded to its dtype. KDA's reads from a bf16 read copy
+rounded to bf16 (:func:`sketch_terms`), then rounded to its dtype. KDA's reads from a bf16 read copy
 or sketch take the buffered decays as bf16 log₂ (``DecodePool.buf_logdecay``: half the bytes of the
 fp32 decays, a relative error of at most |log₂ of a product of decays| · 2⁻⁹ · ln 2 on it); the
 flush always folds the fp32 decays.
@@ -178,12 +178,15 @@ FP8_CONFIGS: dict[tuple[str, str], KernelConfig] = {
 
 CHUNK_MIN = 16  # tl.dot needs at least 16 rows/columns: buffer tiles are padded to this
 
-# How the tensor-core flushes (chunked, and Mamba-2's Gluon one) compute the sketch ``Sᵀ R_{:m}ᵀ``,
-# by whether it is stored in fp32 (``_dot_ff``'s TERMS): fp32, both sides in three bf16 terms
-# (exact to fp32 rounding); bf16 or fp8, the folded state rounded to bf16 (what a bf16 read copy
-# of it holds) times R in two terms, about 1.5 times the error of storing the exact sketch in bf16
-# (BENCHMARKS.md, run 62: 1.6e-3 against 1.1e-3, relative), for 2 products instead of 3.
-SKETCH_TERMS = {True: 3, False: 1}
+
+def sketch_terms(sketch_dtype: torch.dtype) -> int:
+    """How the tensor-core flushes (chunked, and Mamba-2's Gluon one) compute the sketch
+    ``Sᵀ R_{:m}ᵀ`` stored in ``sketch_dtype`` (``_dot_ff``'s TERMS). fp32: both sides in three
+    bf16 terms (exact to fp32 rounding), 3. bf16 or fp8: the folded state rounded to bf16 (what a
+    bf16 read copy of it holds) times R in two terms, 1: about 1.5 times the error of storing the
+    exact sketch in bf16 (BENCHMARKS.md, run 62: 1.6e-3 against 1.1e-3, relative), for 2 products
+    instead of 3."""
+    return 3 if sketch_dtype == torch.float32 else 1
 
 
 def default_config(kernel: str, family: str, read_dtype: torch.dtype | None = None) -> KernelConfig:
@@ -380,7 +383,7 @@ def _dot_ff(a, b, acc, TERMS: tl.constexpr, EMULATE: tl.constexpr):
     """``acc + a @ b`` for two fp32 tiles, each split into ``TERMS`` bf16 terms: the products of
     terms weighing at least 2⁻⁸⁽ᵀᴱᴿᴹˢ⁻¹⁾ (3 of them for 2 terms, ~16 bits; 6 for 3, ~fp32
     rounding), smallest first. ``TERMS`` = 1: ``a`` rounded to bf16, ``b`` in two terms, so the
-    product of bf16(a) and b to ~16 bits (``SKETCH_TERMS``: a sketch stored in bf16 or fp8)."""
+    product of bf16(a) and b to ~16 bits (:func:`sketch_terms`: a sketch stored in bf16 or fp8)."""
     SPLIT: tl.constexpr = 3 if TERMS == 3 else 2
     a1, a2, a3 = _split_bf16(a, SPLIT)
     b1, b2, b3 = _split_bf16(b, SPLIT)
@@ -1218,7 +1221,7 @@ def flush(
         SKETCH_OUT=sketch, **_launch_options(cfg, pool.state.device),
     )
     grid = (vd // bv, heads, b)
-    terms = SKETCH_TERMS[sk.dtype == torch.float32]
+    terms = sketch_terms(sk.dtype)
     if _pipelined(cfg, family, pool):
         from sketchcal.kernels.common import flush_pipelined
 

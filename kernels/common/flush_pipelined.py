@@ -18,7 +18,7 @@ The math is the chunked flush's, for Mamba-2 (scalar decay per token, no delta r
 on tensor cores, ``(g ⊙ W)ᵀ`` split into three bf16 terms (exact to fp32 rounding), the tile
 ``Sᵀ`` [V, K] the MMA accumulator. Then the flush's new token (optional), the state store, the
 read copy (replay mode: every head; sketch mode: the dense heads) and the sketch ``R_{:m} S``
-(``Sᵀ R_{:m}ᵀ`` on tensor cores, as ``decode.SKETCH_TERMS`` defines it). R's terms come split already
+(``Sᵀ R_{:m}ᵀ`` on tensor cores, as ``decode.sketch_terms`` defines it). R's terms come split already
 (``SketchTables.frame_terms``): the first 16 rows of the item's group are copied with its tiles,
 into a ring of two slots (this item's, the next one's), and enter the products straight from
 shared memory; rows past 16 (ranks above 16) are loaded from global memory.

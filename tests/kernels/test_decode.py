@@ -287,7 +287,7 @@ def test_packed_group_maps_hold_each_heads_rows():
 )
 def test_tensor_core_flush_sketches_the_bf16_state_gpu(family, config):
     """A bf16 sketch from the tensor-core flushes (Mamba-2's Gluon default, the chunked one) is
-    ``decode.SKETCH_TERMS``'s: R_{:m} (two bf16 terms) times the folded state rounded to bf16.
+    ``decode.sketch_terms``'s: R_{:m} (two bf16 terms) times the folded state rounded to bf16.
     Against that definition, computed in float64 from the reference's folded state, only values
     at a rounding boundary differ (by their last bit); against the exact sketch (the
     reference's) every value carries the state's rounding too. Real shape, ranks 4-24 (a second
