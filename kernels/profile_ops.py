@@ -9,7 +9,8 @@ Run from the repository root on a CUDA machine, under Nsight Compute for example
 ``sketch_flush``. The window kernels run with ``pos`` = 8 buffered tokens (a mid-window step);
 the flushes with 15. Each op is launched three times (the first compiles), with the default
 launch shape except for the fields the options give (``--block-v``, ``--warps``, ``--form``,
-``--vec``, ``--maxnreg``, ``--group``, ``--dense-rows``, ``--map``, ``--prefetch``, and for
+``--vec``, ``--maxnreg``, ``--group``, ``--dense-rows``, ``--map``, ``--prefetch``, ``--pipelined``
+(the flushes' Gluon kernels: ``_flush_pipelined_kernel``, ``_flush_kda_kernel``), and for
 Mamba-2's split sketch read ``--split``, ``--heads`` and ``--dots``: its kernels are
 ``_group_kernel`` and ``_head_kernel``).
 """
@@ -43,6 +44,7 @@ def main() -> None:
     ap.add_argument("--split", type=int, help="Mamba-2 sketch step: warps of the split read's group kernel")
     ap.add_argument("--heads", type=int, help="the split read: heads per program of its head kernel")
     ap.add_argument("--dots", type=int, help="the split read: key groups per dot program of its group kernel")
+    ap.add_argument("--pipelined", type=int, help="flushes: programs per SM of the Gluon kernel (0: off)")
     args = ap.parse_args()
     bootstrap()
     import torch
@@ -68,7 +70,7 @@ def main() -> None:
                  chunked=None if args.form is None else args.form == "chunked",
                  early_map=None if args.map is None else args.map == "early",
                  prefetch=None if args.prefetch is None else args.prefetch == "on",
-                 split=args.split, heads=args.heads, dots=args.dots)
+                 split=args.split, heads=args.heads, dots=args.dots, pipelined=args.pipelined)
     cfg = replace(base, **{k: v for k, v in given.items() if v is not None})  # the default, as overridden
     pos = torch.full((b,), 15 if "flush" in args.op else 8, dtype=torch.int32, device="cuda")
     for _ in range(3):

@@ -97,6 +97,12 @@ def build(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True, to
         consts = {k: v for k, v in consts.items() if k not in ("BV", "FAMILY")}
         consts.update(BC=16, SKETCH_TERMS=D.sketch_terms(torch.bfloat16))  # a bf16 sketch, as the benchmark's
         return _compile(P._flush_pipelined_kernel, consts, cfg, gluon=True)
+    if cfg.pipelined and family == "kda":
+        from sketchcal.kernels.kda import flush_pipelined as PK
+
+        consts = {k: v for k, v in consts.items() if k not in ("BV", "FAMILY", "G")}
+        consts.update(BC=16, SKETCH_TERMS=D.sketch_terms(torch.bfloat16))
+        return _compile(PK._flush_kda_kernel, consts, cfg, gluon=True)
     if cfg.chunked:
         consts.update(BC=16, LOG2_BC=4, K_BF16=True, SKETCH_TERMS=D.sketch_terms(torch.bfloat16),
                       EMULATE=False)
@@ -124,7 +130,7 @@ def report(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True) -
     warps = min(64, 32 * nw, (65536 // max(1, regs * 32)) // nw * nw)
     mode = ("sketch" if sketch else "replay") if kernel != "standard" else "-"
     form = "chunked" if cfg.chunked else "sweep"
-    form = f"pipe={cfg.pipelined}" if cfg.pipelined and kernel == "flush" and family == "mamba2" else form
+    form = f"pipe={cfg.pipelined}" if cfg.pipelined and kernel == "flush" and family != "gdn" else form
     extra = (f" vec={cfg.vec}" if cfg.vec else "") + (f" cap={cfg.maxnreg}" if cfg.maxnreg else "")
     extra += f" group={cfg.group}" if cfg.group else ""
     extra += f" rows={cfg.dense_rows}" if cfg.dense_rows else ""

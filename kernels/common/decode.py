@@ -41,6 +41,10 @@ Math per program (one slot, one head, one tile of BV value columns; n buffered t
   KDA the same with per-channel decays and the decayed Gram (:func:`_kda_decayed_gram`).
   ``(I + L)⁻¹`` is the product ``(I − L)(I + L²)(I + L⁴)(I + L⁸)`` (L is nilpotent). The new
   token of a flush call is applied after the chunk.
+- flush, persistent Gluon kernels (``KernelConfig.pipelined``), which copy the next head's tiles
+  while they fold the current one: Mamba-2's (:mod:`.flush_pipelined`, its default) and KDA's UT
+  fold with the Gram on the FMA units and a forward substitution for D
+  (``kernels/kda/flush_pipelined.py``).
 
 Precision: the checkpoint stays an fp32 recurrence. Every tensor-core product that feeds it is
 fp32-accurate: an fp32 tile split into three bf16 terms times bf16 keys (exact products, fp32
@@ -100,11 +104,13 @@ class KernelConfig:
       buffered tokens a program reads as it starts (``prefetch.global.L2``), so that its loop over
       them, which loads a token or a group ahead, finds them there rather than in DRAM. (The
       chunked flush loads its buffer tiles at once anyway.)
-    - ``pipelined`` (Mamba-2 flushes, 0 = off) runs the flush as the persistent Gluon kernel of
-      :mod:`.flush_pipelined` on that many programs per SM (``num_warps`` each; ``block_v`` is
-      ignored: a program takes whole heads). It needs a CUDA device, bf16 buffered inputs and a
-      Triton with Gluon (:func:`gluon_available`); elsewhere (the CPU interpreter, fp32 inputs) the
-      flush takes the chunked kernel.
+    - ``pipelined`` (Mamba-2 and KDA flushes, 0 = off) runs the flush as a persistent Gluon kernel
+      on that many programs per SM (``num_warps`` each; ``block_v`` is ignored: a program takes
+      whole heads): Mamba-2's of :mod:`.flush_pipelined`, KDA's chunked (UT) fold on tensor cores of
+      ``kernels/kda/flush_pipelined.py`` (4 or 8 warps; a tuning candidate, slower than KDA's sweep
+      on the H200: BENCHMARKS.md, eleventh session). It needs a CUDA device, bf16 buffered inputs
+      and a Triton with Gluon (:func:`gluon_available`); elsewhere (the CPU interpreter, fp32
+      inputs) the flush takes the chunked kernel, or the sweep when ``chunked`` is False.
     - ``split`` (Mamba-2 sketch steps of one token, 0 = off) runs the read as two kernels
       (:mod:`.read_split`): programs of ``split`` warps compute every head's coefficients once
       per key group (and the group's dots, ``dots`` groups per program), then programs of
@@ -1060,9 +1066,18 @@ def gluon_available() -> bool:
 
 
 def _pipelined(cfg: KernelConfig, family: str, pool: DecodePool) -> bool:
-    """Whether the flush runs as the persistent Gluon kernel (``KernelConfig.pipelined``)."""
-    return (cfg.pipelined > 0 and family == "mamba2" and pool.state.is_cuda and not _interpreting()
-            and pool.buf_k.dtype == pool.buf_w.dtype == torch.bfloat16 and gluon_available())
+    """Whether the flush runs as a persistent Gluon kernel (``KernelConfig.pipelined``): Mamba-2's
+    (:mod:`.flush_pipelined`) or KDA's (``kernels/kda/flush_pipelined.py``, for the pools its
+    layouts cover)."""
+    if not (cfg.pipelined > 0 and family in ("mamba2", "kda") and pool.state.is_cuda and not _interpreting()
+            and pool.buf_k.dtype == pool.buf_w.dtype == torch.bfloat16 and gluon_available()):
+        return False
+    if family == "kda":
+        from sketchcal.kernels.kda import flush_pipelined as kda_flush
+
+        _, h, kd, vd = pool.state.shape
+        return kda_flush.usable(h, pool.buf_k.shape[1], kd, vd, pool.capacity, cfg.num_warps)
+    return True
 
 
 def _keys_bf16(pool: DecodePool) -> bool:
@@ -1222,7 +1237,16 @@ def flush(
     )
     grid = (vd // bv, heads, b)
     terms = sketch_terms(sk.dtype)
-    if _pipelined(cfg, family, pool):
+    if family == "kda" and _pipelined(cfg, family, pool):
+        from sketchcal.kernels.kda import flush_pipelined as kda_flush
+
+        kda_flush.launch(
+            args, tables.frame_terms if sketch else dummy, H=heads, K=kd, V=vd, C=pool.capacity,
+            HAS_X=common["HAS_X"], HAS_SKIP=common["HAS_SKIP"], HAS_READ=common["HAS_READ"], ROWS=sketch,
+            SKETCH_OUT=sketch, SKETCH_TERMS=terms, batch=b, per_sm=cfg.pipelined, num_warps=cfg.num_warps,
+            maxnreg=cfg.maxnreg,
+        )
+    elif _pipelined(cfg, family, pool):
         from sketchcal.kernels.common import flush_pipelined
 
         flush_pipelined.launch(

@@ -176,10 +176,13 @@ class SketchTables:
         group_cols   [G, R] int32: where each row's coefficient goes in a workspace row
                      (``(h mod H/G) · M + r``), -1 past the group's rows
         group_width  [G] int32: Σ m over the group's heads
+
+    Mamba-2 and KDA (for the sketch of their Gluon flushes, ``common/flush_pipelined.py`` and
+    ``kda/flush_pipelined.py``, which copy a group's first chunk into shared memory as it is):
+
         frame_terms  [G, ⌈K/16⌉, 3, 16, K] bf16: the frames in chunks of 16 rows, each chunk as
-                     three bf16 terms (largest first; their sum is R exact to fp32 rounding), for
-                     the sketch of the Gluon flush (``flush_pipelined.py``), which copies a group's
-                     first chunk into shared memory as it is; rows past K are zero
+                     three bf16 terms (largest first; their sum is R exact to fp32 rounding); rows
+                     past K are zero
     """
 
     family: str
@@ -205,6 +208,7 @@ class SketchTables:
             raise ValueError(f"read_rows must be {key_dim} (a dense head) or 0 per head, got {bad}")
         if self.family == "mamba2":
             self._pack_group_maps()
+        if self.family in ("mamba2", "kda"):
             self._split_frames()
 
     def _split_frames(self) -> None:

@@ -545,14 +545,35 @@ def test_pipelined_flush_needs_gluon(monkeypatch):
     assert not decode._pipelined(config, "mamba2", cuda_pool)
 
 
+def test_kda_pipelined_flush_takes_the_pools_its_layouts_cover(monkeypatch):
+    """KDA's Gluon flush folds one chunk of at most 16 tokens per head with 4 or 8 warps, each
+    owning at least 16 value rows; other pools take the kernels the config otherwise names."""
+    monkeypatch.setattr(decode, "_interpreting", lambda: False)
+
+    def pool(h=32, g=32, kd=128, vd=128, cap=16):
+        bf16 = SimpleNamespace(dtype=torch.bfloat16, shape=(1, g, cap, kd))
+        return SimpleNamespace(state=SimpleNamespace(is_cuda=True, shape=(1, h, kd, vd)), buf_k=bf16,
+                               buf_w=SimpleNamespace(dtype=torch.bfloat16), capacity=cap)
+
+    eight, four = decode.KernelConfig(128, 8, pipelined=1), decode.KernelConfig(128, 4, pipelined=1)
+    assert decode._pipelined(eight, "kda", pool()) and decode._pipelined(four, "kda", pool(vd=64))
+    assert not decode._pipelined(eight, "kda", pool(vd=64))  # 8 rows per warp
+    assert not decode._pipelined(eight, "kda", pool(cap=17))  # more than one chunk
+    assert not decode._pipelined(eight, "kda", pool(g=16))  # keys shared by heads
+    assert not decode._pipelined(eight, "kda", pool(kd=16))
+    assert not decode._pipelined(decode.KernelConfig(128, 2, pipelined=1), "kda", pool())
+    assert not decode._pipelined(eight, "gdn", pool())
+
+
+@pytest.mark.parametrize("family", ["mamba2", "kda"])
 @pytest.mark.parametrize("op", ["flush", "flush_sketch"])
-def test_pipelined_flush_falls_back_on_the_cpu(op):
-    """The Gluon flush cannot run in the interpreter: asked for, the flush takes the chunked
+def test_pipelined_flush_falls_back_on_the_cpu(family, op):
+    """The Gluon flushes cannot run in the interpreter: asked for, the flush takes the chunked
     kernel, which matches the reference."""
     config = decode.KernelConfig(16, 1, pipelined=2)
-    h, g, kd, vd = CPU_SHAPES["mamba2"][0]
-    assert not decode._pipelined(config, "mamba2", random_pool("mamba2", 1, h, g, kd, vd, capacity=4))
-    run_case("mamba2", op, CPU_SHAPES["mamba2"][0], "bf16", "cpu", seed=3, config=config)
+    h, g, kd, vd = CPU_SHAPES[family][0]
+    assert not decode._pipelined(config, family, random_pool(family, 1, h, g, kd, vd, capacity=4))
+    run_case(family, op, CPU_SHAPES[family][0], "bf16", "cpu", seed=3, config=config)
 
 
 @pytest.mark.gpu
@@ -593,6 +614,79 @@ def test_pipelined_flush_many_heads_per_program_gpu(op):
     for cfg in (decode.KernelConfig(64, 4), decode.KernelConfig(64, 4, pipelined=1)):
         p, out = _clone(pool), torch.full_like(x.w, float("nan"))
         decode.flush("mamba2", p, slots, pos, x, out, tables=tables if sketch else None, config=cfg)
+        results.append((p, out))
+    (want, o_want), (got, o_got) = results
+    live = slots >= 0
+    assert _rel(o_got[live], o_want[live]) <= 1e-2 and torch.isnan(o_got[~live].float()).all()
+    for f in ("state", "read", "sketch"):
+        a, b = getattr(got, f), getattr(want, f)
+        if a is not None:
+            tol = 1e-6 if a.dtype == torch.float32 else 1e-2
+            assert _rel(a, b) <= tol, f
+    untouched = _unaddressed(slots, 80)
+    assert torch.equal(got.state[untouched], pool.state[untouched])
+
+
+KDA_PIPELINED = [decode.KernelConfig(128, 8, pipelined=1), decode.KernelConfig(128, 4, pipelined=1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [*DTYPES, "fp8"])
+@pytest.mark.parametrize("op", ["flush", "flush_sketch"])
+@pytest.mark.parametrize("config", KDA_PIPELINED, ids=["warps8", "warps4"])
+def test_pipelined_kda_flush_gpu(config, op, dtype):
+    """KDA's persistent Gluon flush (the chunked UT fold on tensor cores) at the real shape, held
+    to 1e-6 like Mamba-2's. fp32 inputs take the token-by-token kernel instead (checked here too)."""
+    h, g, kd, vd = GPU_SHAPES["kda"]
+    inputs = DTYPES.get(dtype, torch.bfloat16)
+    probe = random_pool("kda", 1, h, g, kd, vd, capacity=16, input_dtype=inputs, device="cuda")
+    assert decode._pipelined(config, "kda", probe) == (dtype != "fp32")
+    run_case("kda", op, GPU_SHAPES["kda"], dtype, "cuda", seed=19, real=True, config=config, fp32_tol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", KDA_PIPELINED, ids=["warps8", "warps4"])
+def test_pipelined_kda_flush_tiny_and_zero_decays_gpu(config):
+    """The UT fold builds every product of decays as a running product: decays whose product
+    underflows, an exact zero decay, and one head's tiny decay must still give the reference."""
+    h, g, kd, vd = GPU_SHAPES["kda"]
+    gen = torch.Generator().manual_seed(11)
+    pool = random_pool("kda", 4, h, g, kd, vd, capacity=16, device="cuda", generator=gen)
+    assert decode._pipelined(config, "kda", pool)
+    pool.buf_decay[0, :, 1:3] = 1e-30
+    pool.buf_decay[1, :, 2] = 0.0
+    pool.buf_decay[2, 0, 4] = 1e-25
+    pool.buf_decay[3, :, 5, ::2] = 1e-38  # half the channels only
+    slots = torch.tensor([0, 1, 2, 3], dtype=torch.int32, device="cuda")
+    pos = torch.tensor([16, 15, 16, 9], dtype=torch.int32, device="cuda")
+    got, want = pool.clone(), pool.clone()
+    decode.flush("kda", got, slots, pos, config=config)
+    ref.flush("kda", want, slots, pos)
+    assert torch.isfinite(got.state).all()
+    for s in range(4):
+        assert _rel(got.state[s], want.state[s]) <= 1e-6, s
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["flush", "flush_sketch"])
+def test_pipelined_kda_flush_many_heads_per_program_gpu(op):
+    """A batch of 64 on one program per SM, each folding about 16 heads through its copy rings,
+    against the token-by-token flush on the same pool (which the tests above hold to the
+    reference); buffers of every length 0-16."""
+    h, g, kd, vd = GPU_SHAPES["kda"]
+    gen = torch.Generator().manual_seed(23)
+    tables = random_sketch("kda", _ranks(h, kd, True), g, kd, gen).to("cuda")
+    sketch = op.endswith("sketch")
+    pool = random_pool("kda", 80, h, g, kd, vd, capacity=16, sketch_rows=tables.map_rows, device="cuda",
+                       generator=gen)
+    slots = torch.randperm(80, generator=gen)[:64].to(torch.int32).cuda()
+    slots[5] = -1
+    pos = (torch.arange(64, dtype=torch.int32) % 17).cuda()
+    x = random_inputs("kda", 64, 1, h, g, kd, vd, device="cuda", generator=gen)
+    results = []
+    for cfg in (decode.KernelConfig(16, 1, chunked=False, vec=4), KDA_PIPELINED[0]):
+        p, out = _clone(pool), torch.full_like(x.w, float("nan"))
+        decode.flush("kda", p, slots, pos, x, out, tables=tables if sketch else None, config=cfg)
         results.append((p, out))
     (want, o_want), (got, o_got) = results
     live = slots >= 0
