@@ -25,6 +25,12 @@ Then the flush's new token (per-channel decay and delta rule on the registers), 
 the read copy (replay: every head; sketch: the dense heads) and the sketch ``R_{:m} S`` exactly as
 Mamba-2's Gluon flush writes it (``decode.sketch_terms``).
 
+Speed (BENCHMARKS.md, eleventh session): on the H200 it is 1.40–1.44× slower than KDA's sweep (908
+against 629 µs for the sketch flush at batch 256), so it is a tuning candidate, not the default. Its
+174 KB of shared memory leave one program of 8 warps per SM; without the folding it runs at copy
+speed, and the folding's chains of dependent steps (the Gram's reductions, the substitution, the
+MMA chains) take ~9 µs per head that nothing overlaps.
+
 Gluon kernels cannot run in the CPU interpreter: the ``gpu`` tests hold this kernel to the float64
 reference (``decode.flush`` chooses it with ``KernelConfig.pipelined``).
 """
@@ -40,15 +46,11 @@ from sketchcal.kernels.common.flush_pipelined import (
     _async_load,
     _barrier,
     _entry,
+    _mul,
     _sketch_rows,
     _sm_count,
     _split3,
 )
-
-
-@gluon.jit
-def _mul(a, b):
-    return a * b
 
 
 @gluon.jit

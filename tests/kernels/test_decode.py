@@ -668,20 +668,21 @@ def test_pipelined_kda_flush_tiny_and_zero_decays_gpu(config):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("capacity", [16, 11])
 @pytest.mark.parametrize("op", ["flush", "flush_sketch"])
-def test_pipelined_kda_flush_many_heads_per_program_gpu(op):
+def test_pipelined_kda_flush_many_heads_per_program_gpu(op, capacity):
     """A batch of 64 on one program per SM, each folding about 16 heads through its copy rings,
     against the token-by-token flush on the same pool (which the tests above hold to the
-    reference); buffers of every length 0-16."""
+    reference); buffers of every length up to the capacity (a full chunk, or a shorter one)."""
     h, g, kd, vd = GPU_SHAPES["kda"]
     gen = torch.Generator().manual_seed(23)
     tables = random_sketch("kda", _ranks(h, kd, True), g, kd, gen).to("cuda")
     sketch = op.endswith("sketch")
-    pool = random_pool("kda", 80, h, g, kd, vd, capacity=16, sketch_rows=tables.map_rows, device="cuda",
+    pool = random_pool("kda", 80, h, g, kd, vd, capacity=capacity, sketch_rows=tables.map_rows, device="cuda",
                        generator=gen)
     slots = torch.randperm(80, generator=gen)[:64].to(torch.int32).cuda()
     slots[5] = -1
-    pos = (torch.arange(64, dtype=torch.int32) % 17).cuda()
+    pos = (torch.arange(64, dtype=torch.int32) % (capacity + 1)).cuda()
     x = random_inputs("kda", 64, 1, h, g, kd, vd, device="cuda", generator=gen)
     results = []
     for cfg in (decode.KernelConfig(16, 1, chunked=False, vec=4), KDA_PIPELINED[0]):
