@@ -166,6 +166,51 @@ def _sketch_rows(St, b1, b2, b3, p_sk, r0, m, V: gl.constexpr, MMA: gl.constexpr
 
 
 @gluon.jit
+def _store_folded(
+    St, state, rd, read_rows, sk_head, ranks, frame_terms, r_cur, head, i_h, frame,
+    K: gl.constexpr, V: gl.constexpr, HAS_READ: gl.constexpr, ROWS: gl.constexpr, SKETCH_OUT: gl.constexpr,
+    SKETCH_TERMS: gl.constexpr, MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, LS: gl.constexpr,
+    LR: gl.constexpr,
+):
+    """The stores of a folded head (``St`` = Sᵀ [V, K] in the MMA layout), shared by the Gluon flushes:
+    the state tile S [K, V] at element offset ``head`` of ``state`` (and, with ``HAS_READ``, of the
+    read copy ``rd``; ``ROWS``: only for a dense head), and with ``SKETCH_OUT`` the sketch rows
+    ``R_{:m} S`` at ``sk_head``: rows 0-15 from ``r_cur`` (the item's slot of the frame ring in
+    shared memory), rows past 16 from ``frame_terms`` of frame ``frame``."""
+    # through shared memory into rows of V: 16-byte stores, one address per 4 values
+    tile = gl.convert_layout(gl.permute(St, [1, 0]), LS)  # S [K, V]
+    o_ks = gl.arange(0, K, gl.SliceLayout(1, LS))
+    o_vs = gl.arange(0, V, gl.SliceLayout(0, LS))
+    offs = o_ks[:, None] * V + o_vs[None, :]
+    gl.store(state + head + offs, tile)
+    if HAS_READ:
+        if ROWS:
+            if gl.load(read_rows + i_h) > 0:
+                gl.store(rd + head + offs, tile.to(rd.dtype.element_ty))
+        else:
+            gl.store(rd + head + offs, tile.to(rd.dtype.element_ty))
+    if SKETCH_OUT:
+        m = gl.load(ranks + i_h)
+        if m > 0:  # rows 0-15: their terms were copied with the item's tiles
+            b1 = r_cur.slice(0, 16).permute([1, 0]).load(B_OP)
+            b2 = r_cur.slice(16, 16).permute([1, 0]).load(B_OP)
+            b3 = r_cur.slice(32 if SKETCH_TERMS == 3 else 16, 16).permute([1, 0]).load(B_OP)
+            _sketch_rows(St, b1, b2, b3, sk_head, 0, m, V, MMA, A_OP, SKETCH_TERMS)
+        # rows 16 and up (ranks above 16): their terms straight from global memory
+        o_r = gl.arange(0, 16, gl.SliceLayout(1, LR))
+        o_kt = gl.arange(0, K, gl.SliceLayout(0, LR))
+        for r0 in range(16, m, 16):
+            chunk = frame_terms + ((frame * ((K + 15) // 16) + r0 // 16) * 48) * K
+            chunk += o_r[:, None] * K + o_kt[None, :]
+            b1 = gl.convert_layout(gl.permute(gl.load(chunk), [1, 0]), B_OP)
+            b2 = gl.convert_layout(gl.permute(gl.load(chunk + 16 * K), [1, 0]), B_OP)
+            b3 = b2
+            if SKETCH_TERMS == 3:
+                b3 = gl.convert_layout(gl.permute(gl.load(chunk + 32 * K), [1, 0]), B_OP)
+            _sketch_rows(St, b1, b2, b3, sk_head, r0, m, V, MMA, A_OP, SKETCH_TERMS)
+
+
+@gluon.jit
 def _flush_pipelined_kernel(
     state, slots, pos, q, k, w, decay, beta, skip, out,
     buf_k, buf_w, buf_decay, buf_beta,
@@ -253,40 +298,13 @@ def _flush_pipelined_kernel(
                     o += gl.convert_layout(sw, gl.SliceLayout(1, MMA)).to(gl.float32)
                 gl.store(out + xw + o_vm, o.to(out.dtype.element_ty))
             # one 64-bit base per head, 32-bit offsets within it
-            head = (s64 * H + i_h) * (K * V)
-            # through shared memory into rows of V: 16-byte stores, one address per 4 values
-            tile = gl.convert_layout(gl.permute(St, [1, 0]), LS)  # S [K, V]
-            o_ks = gl.arange(0, K, gl.SliceLayout(1, LS))
-            o_vs = gl.arange(0, V, gl.SliceLayout(0, LS))
-            offs = o_ks[:, None] * V + o_vs[None, :]
-            gl.store(state + head + offs, tile)
-            if HAS_READ:
-                if ROWS:
-                    if gl.load(read_rows + i_h) > 0:
-                        gl.store(rd + head + offs, tile.to(rd.dtype.element_ty))
-                else:
-                    gl.store(rd + head + offs, tile.to(rd.dtype.element_ty))
-            if SKETCH_OUT:
-                m = gl.load(ranks + i_h)
-                p_sk = sk + (s64 * H + i_h) * sk_head_stride
-                if m > 0:  # rows 0-15: their terms were copied with the item's tiles
-                    r_cur = r_ring.index(cur)
-                    b1 = r_cur.slice(0, 16).permute([1, 0]).load(B_OP)
-                    b2 = r_cur.slice(16, 16).permute([1, 0]).load(B_OP)
-                    b3 = r_cur.slice(32 if SKETCH_TERMS == 3 else 16, 16).permute([1, 0]).load(B_OP)
-                    _sketch_rows(St, b1, b2, b3, p_sk, 0, m, V, MMA, A_OP, SKETCH_TERMS)
-                # rows 16 and up (ranks above 16): their terms straight from global memory
-                o_r = gl.arange(0, 16, gl.SliceLayout(1, LR))
-                o_kt = gl.arange(0, K, gl.SliceLayout(0, LR))
-                for r0 in range(16, m, 16):
-                    chunk = frame_terms + ((i_g * ((K + 15) // 16) + r0 // 16) * 48) * K
-                    chunk += o_r[:, None] * K + o_kt[None, :]
-                    b1 = gl.convert_layout(gl.permute(gl.load(chunk), [1, 0]), B_OP)
-                    b2 = gl.convert_layout(gl.permute(gl.load(chunk + 16 * K), [1, 0]), B_OP)
-                    b3 = b2
-                    if SKETCH_TERMS == 3:
-                        b3 = gl.convert_layout(gl.permute(gl.load(chunk + 32 * K), [1, 0]), B_OP)
-                    _sketch_rows(St, b1, b2, b3, p_sk, r0, m, V, MMA, A_OP, SKETCH_TERMS)
+            if SKETCH_OUT:  # noqa: SIM108  (a constexpr branch: r_ring exists only then)
+                r_cur = r_ring.index(cur)
+            else:
+                r_cur = k_smem  # (not read)
+            _store_folded(St, state, rd, read_rows, sk + (s64 * H + i_h) * sk_head_stride, ranks, frame_terms,
+                          r_cur, (s64 * H + i_h) * (K * V), i_h, i_g, K, V, HAS_READ, ROWS, SKETCH_OUT,
+                          SKETCH_TERMS, MMA, A_OP, B_OP, LS, LR)
         s_c, n_c, s_n, n_n = s_n, n_n, s_nn, n_nn
         al, al_next, kk, qq, ww, sw, dd = al_n, al_next_n, kk_n, qq_n, ww_n, sw_n, dd_n
         cur = 1 - cur

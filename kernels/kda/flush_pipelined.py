@@ -47,9 +47,9 @@ from sketchcal.kernels.common.flush_pipelined import (
     _barrier,
     _entry,
     _mul,
-    _sketch_rows,
     _sm_count,
     _split3,
+    _store_folded,
 )
 
 
@@ -319,39 +319,13 @@ def _flush_kda_kernel(
                 if HAS_SKIP:
                     o += gl.convert_layout(sw, gl.SliceLayout(1, MMA)).to(gl.float32)
                 gl.store(out + xw + o_vm, o.to(out.dtype.element_ty))
-            # through shared memory into rows of V: 16-byte stores, one address per 4 values
-            tile = gl.convert_layout(gl.permute(St, [1, 0]), LS)  # S [K, V]
-            o_ks = gl.arange(0, K, gl.SliceLayout(1, LS))
-            o_vs = gl.arange(0, V, gl.SliceLayout(0, LS))
-            offs = o_ks[:, None] * V + o_vs[None, :]
-            gl.store(state + head * (K * V) + offs, tile)
-            if HAS_READ:
-                if ROWS:
-                    if gl.load(read_rows + i_h) > 0:
-                        gl.store(rd + head * (K * V) + offs, tile.to(rd.dtype.element_ty))
-                else:
-                    gl.store(rd + head * (K * V) + offs, tile.to(rd.dtype.element_ty))
-            if SKETCH_OUT:
-                m = gl.load(ranks + i_h)
-                p_sk = sk + head * sk_head_stride
-                if m > 0:  # rows 0-15: their terms were copied with the item's tiles
-                    r_cur = r_ring.index(cur)
-                    b1 = r_cur.slice(0, 16).permute([1, 0]).load(B_OP)
-                    b2 = r_cur.slice(16, 16).permute([1, 0]).load(B_OP)
-                    b3 = r_cur.slice(32 if SKETCH_TERMS == 3 else 16, 16).permute([1, 0]).load(B_OP)
-                    _sketch_rows(St, b1, b2, b3, p_sk, 0, m, V, MMA, A_OP, SKETCH_TERMS)
-                # rows 16 and up (ranks above 16): their terms straight from global memory
-                o_r = gl.arange(0, 16, gl.SliceLayout(1, LR16))
-                o_kt = gl.arange(0, K, gl.SliceLayout(0, LR16))
-                for r0 in range(16, m, 16):
-                    chunk = frame_terms + ((i_h * ((K + 15) // 16) + r0 // 16) * 48) * K
-                    chunk += o_r[:, None] * K + o_kt[None, :]
-                    b1 = gl.convert_layout(gl.permute(gl.load(chunk), [1, 0]), B_OP)
-                    b2 = gl.convert_layout(gl.permute(gl.load(chunk + 16 * K), [1, 0]), B_OP)
-                    b3 = b2
-                    if SKETCH_TERMS == 3:
-                        b3 = gl.convert_layout(gl.permute(gl.load(chunk + 32 * K), [1, 0]), B_OP)
-                    _sketch_rows(St, b1, b2, b3, p_sk, r0, m, V, MMA, A_OP, SKETCH_TERMS)
+            if SKETCH_OUT:  # noqa: SIM108  (a constexpr branch: r_ring exists only then)
+                r_cur = r_ring.index(cur)
+            else:
+                r_cur = kg_smem.index(0)  # (not read)
+            _store_folded(St, state, rd, read_rows, sk + head * sk_head_stride, ranks, frame_terms, r_cur,
+                          head * (K * V), i_h, i_h, K, V, HAS_READ, ROWS, SKETCH_OUT, SKETCH_TERMS, MMA, A_OP,
+                          B_OP, LS, LR16)
         s_c, n_c, s_n, n_n = s_n, n_n, s_nn, n_nn
         bt, kk, qq, dd, ww, sw, bx = bt_n, kk_n, qq_n, dd_n, ww_n, sw_n, bx_n
         cur = 1 - cur

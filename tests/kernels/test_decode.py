@@ -600,20 +600,32 @@ def test_pipelined_flush_many_heads_per_program_gpu(op):
     """A batch of 64 on one program per SM: each program folds about 30 heads through its copy
     ring, against the chunked flush on the same pool (which the test above holds to the
     reference)."""
-    h, g, kd, vd = GPU_SHAPES["mamba2"]
+    chunked, pipelined = decode.KernelConfig(64, 4), decode.KernelConfig(64, 4, pipelined=1)
+    _many_heads_per_program("mamba2", op, 16, chunked, pipelined)
+
+
+def _many_heads_per_program(family, op, capacity, reference_config, config, cyclic=False):
+    """A batch of 64 entries (one padding) of an 80-slot pool at the real shape, flushed with
+    ``config`` and with ``reference_config``, which must agree: states to 1e-6, read copies, sketches
+    and outputs to bf16 tolerance; padding outputs and unaddressed slots untouched. Buffered tokens:
+    random up to ``capacity``, or every length in turn (``cyclic``)."""
+    h, g, kd, vd = GPU_SHAPES[family]
     gen = torch.Generator().manual_seed(23)
-    tables = random_sketch("mamba2", _ranks(h, kd, True), g, kd, gen).to("cuda")
+    tables = random_sketch(family, _ranks(h, kd, True), g, kd, gen).to("cuda")
     sketch = op.endswith("sketch")
-    pool = random_pool("mamba2", 80, h, g, kd, vd, capacity=16, sketch_rows=tables.map_rows, device="cuda",
-                       generator=gen)
+    pool = random_pool(family, 80, h, g, kd, vd, capacity=capacity, sketch_rows=tables.map_rows,
+                       device="cuda", generator=gen)
     slots = torch.randperm(80, generator=gen)[:64].to(torch.int32).cuda()
     slots[5] = -1
-    pos = torch.randint(0, 17, (64,), generator=gen, dtype=torch.int32).cuda()
-    x = random_inputs("mamba2", 64, 1, h, g, kd, vd, device="cuda", generator=gen)
+    if cyclic:
+        pos = (torch.arange(64, dtype=torch.int32) % (capacity + 1)).cuda()
+    else:
+        pos = torch.randint(0, capacity + 1, (64,), generator=gen, dtype=torch.int32).cuda()
+    x = random_inputs(family, 64, 1, h, g, kd, vd, device="cuda", generator=gen)
     results = []
-    for cfg in (decode.KernelConfig(64, 4), decode.KernelConfig(64, 4, pipelined=1)):
+    for cfg in (reference_config, config):
         p, out = _clone(pool), torch.full_like(x.w, float("nan"))
-        decode.flush("mamba2", p, slots, pos, x, out, tables=tables if sketch else None, config=cfg)
+        decode.flush(family, p, slots, pos, x, out, tables=tables if sketch else None, config=cfg)
         results.append((p, out))
     (want, o_want), (got, o_got) = results
     live = slots >= 0
@@ -674,31 +686,8 @@ def test_pipelined_kda_flush_many_heads_per_program_gpu(op, capacity):
     """A batch of 64 on one program per SM, each folding about 16 heads through its copy rings,
     against the token-by-token flush on the same pool (which the tests above hold to the
     reference); buffers of every length up to the capacity (a full chunk, or a shorter one)."""
-    h, g, kd, vd = GPU_SHAPES["kda"]
-    gen = torch.Generator().manual_seed(23)
-    tables = random_sketch("kda", _ranks(h, kd, True), g, kd, gen).to("cuda")
-    sketch = op.endswith("sketch")
-    pool = random_pool("kda", 80, h, g, kd, vd, capacity=capacity, sketch_rows=tables.map_rows, device="cuda",
-                       generator=gen)
-    slots = torch.randperm(80, generator=gen)[:64].to(torch.int32).cuda()
-    slots[5] = -1
-    pos = (torch.arange(64, dtype=torch.int32) % (capacity + 1)).cuda()
-    x = random_inputs("kda", 64, 1, h, g, kd, vd, device="cuda", generator=gen)
-    results = []
-    for cfg in (decode.KernelConfig(16, 1, chunked=False, vec=4), KDA_PIPELINED[0]):
-        p, out = _clone(pool), torch.full_like(x.w, float("nan"))
-        decode.flush("kda", p, slots, pos, x, out, tables=tables if sketch else None, config=cfg)
-        results.append((p, out))
-    (want, o_want), (got, o_got) = results
-    live = slots >= 0
-    assert _rel(o_got[live], o_want[live]) <= 1e-2 and torch.isnan(o_got[~live].float()).all()
-    for f in ("state", "read", "sketch"):
-        a, b = getattr(got, f), getattr(want, f)
-        if a is not None:
-            tol = 1e-6 if a.dtype == torch.float32 else 1e-2
-            assert _rel(a, b) <= tol, f
-    untouched = _unaddressed(slots, 80)
-    assert torch.equal(got.state[untouched], pool.state[untouched])
+    sweep = decode.KernelConfig(16, 1, chunked=False, vec=4)
+    _many_heads_per_program("kda", op, capacity, sweep, KDA_PIPELINED[0], cyclic=True)
 
 
 def _candidates() -> list[tuple[str, str, decode.KernelConfig]]:
