@@ -297,11 +297,11 @@ def _flush_pipelined_kernel(
                 if HAS_SKIP:
                     o += gl.convert_layout(sw, gl.SliceLayout(1, MMA)).to(gl.float32)
                 gl.store(out + xw + o_vm, o.to(out.dtype.element_ty))
-            # one 64-bit base per head, 32-bit offsets within it
             if SKETCH_OUT:  # noqa: SIM108  (a constexpr branch: r_ring exists only then)
                 r_cur = r_ring.index(cur)
             else:
                 r_cur = k_smem  # (not read)
+            # one 64-bit base per head, 32-bit offsets within it
             _store_folded(St, state, rd, read_rows, sk + (s64 * H + i_h) * sk_head_stride, ranks, frame_terms,
                           r_cur, (s64 * H + i_h) * (K * V), i_h, i_g, K, V, HAS_READ, ROWS, SKETCH_OUT,
                           SKETCH_TERMS, MMA, A_OP, B_OP, LS, LR)
