@@ -316,6 +316,13 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def persistent_grid(n_items: int, per_sm: int, device: torch.device) -> tuple[int]:
+    """The grid of a persistent kernel: ``per_sm`` programs per SM of ``device``, at most one per
+    work item (and at least one program)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return (max(1, min(n_items, per_sm * _sm_count(index))),)
+
+
 def launch(args: tuple, frame_terms: torch.Tensor, *, H: int, G: int, K: int, V: int, C: int, BC: int,
            HAS_X: bool, HAS_SKIP: bool, HAS_READ: bool, ROWS: bool, SKETCH_OUT: bool, SKETCH_TERMS: int,
            batch: int, per_sm: int, num_warps: int, maxnreg: int = 0) -> None:
@@ -323,10 +330,7 @@ def launch(args: tuple, frame_terms: torch.Tensor, *, H: int, G: int, K: int, V:
     chunked flush's arguments (``decode.flush``); ``frame_terms``: ``SketchTables.frame_terms``
     (any tensor when not ``SKETCH_OUT``)."""
     n_items = batch * H
-    dev = args[0].device
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    grid = (max(1, min(n_items, per_sm * _sm_count(index))),)
-    _flush_pipelined_kernel[grid](
+    _flush_pipelined_kernel[persistent_grid(n_items, per_sm, args[0].device)](
         *args, frame_terms, n_items, H=H, G=G, K=K, V=V, C=C, BC=BC, HAS_X=HAS_X, HAS_SKIP=HAS_SKIP,
         HAS_READ=HAS_READ, ROWS=ROWS, SKETCH_OUT=SKETCH_OUT, SKETCH_TERMS=SKETCH_TERMS, num_warps=num_warps,
         **({"maxnreg": maxnreg} if maxnreg else {}),

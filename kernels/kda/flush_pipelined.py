@@ -47,9 +47,9 @@ from sketchcal.kernels.common.flush_pipelined import (
     _barrier,
     _entry,
     _mul,
-    _sm_count,
     _split3,
     _store_folded,
+    persistent_grid,
 )
 
 
@@ -347,10 +347,7 @@ def launch(args: tuple, frame_terms: torch.Tensor, *, H: int, K: int, V: int, C:
     chunked flush's arguments (``decode.flush``); ``frame_terms``: ``SketchTables.frame_terms``
     (any tensor when not ``SKETCH_OUT``)."""
     n_items = batch * H
-    dev = args[0].device
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    grid = (max(1, min(n_items, per_sm * _sm_count(index))),)
-    _flush_kda_kernel[grid](
+    _flush_kda_kernel[persistent_grid(n_items, per_sm, args[0].device)](
         *args, frame_terms, n_items, H=H, K=K, V=V, C=C, BC=16, HAS_X=HAS_X, HAS_SKIP=HAS_SKIP,
         HAS_READ=HAS_READ, ROWS=ROWS, SKETCH_OUT=SKETCH_OUT, SKETCH_TERMS=SKETCH_TERMS, num_warps=num_warps,
         **({"maxnreg": maxnreg} if maxnreg else {}),

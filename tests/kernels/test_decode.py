@@ -545,6 +545,45 @@ def test_pipelined_flush_needs_gluon(monkeypatch):
     assert not decode._pipelined(config, "mamba2", cuda_pool)
 
 
+def test_persistent_grid_is_programs_per_sm_at_most_one_per_item(monkeypatch):
+    from sketchcal.kernels.common import flush_pipelined
+
+    monkeypatch.setattr(flush_pipelined, "_sm_count", lambda index: 132)
+    dev = torch.device("cuda", 0)
+    assert flush_pipelined.persistent_grid(8192, 1, dev) == (132,)
+    assert flush_pipelined.persistent_grid(8192, 3, dev) == (396,)
+    assert flush_pipelined.persistent_grid(200, 3, dev) == (200,)
+    assert flush_pipelined.persistent_grid(0, 3, dev) == (1,)
+
+
+def test_gluon_flush_launchers_pass_the_grid_and_shape(monkeypatch):
+    """Both Gluon launchers (host code, which the ``gpu`` tests otherwise cover alone) launch their
+    kernel on the persistent grid with the arguments, the frame terms, the item count and the
+    shape constants, against a stand-in kernel that records the launch."""
+    from sketchcal.kernels.common import flush_pipelined
+    from sketchcal.kernels.kda import flush_pipelined as kda_flush
+
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((grid, args, kwargs))
+
+    monkeypatch.setattr(flush_pipelined, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(flush_pipelined, "_flush_pipelined_kernel", Recorder())
+    monkeypatch.setattr(kda_flush, "_flush_kda_kernel", Recorder())
+    args = (SimpleNamespace(device=torch.device("cuda", 0)), "slots")
+    flags = dict(HAS_X=True, HAS_SKIP=False, HAS_READ=True, ROWS=True, SKETCH_OUT=True, SKETCH_TERMS=1)
+    flush_pipelined.launch(args, "terms", H=64, G=8, K=128, V=64, C=16, BC=16, batch=256, per_sm=3,
+                           num_warps=4, maxnreg=168, **flags)
+    kda_flush.launch(args, "terms", H=32, K=128, V=128, C=16, batch=2, per_sm=1, num_warps=8, **flags)
+    (grid_m, args_m, kw_m), (grid_k, args_k, kw_k) = launches
+    assert grid_m == (396,) and args_m == (*args, "terms", 256 * 64)
+    assert kw_m == dict(H=64, G=8, K=128, V=64, C=16, BC=16, num_warps=4, maxnreg=168, **flags)
+    assert grid_k == (64,) and args_k == (*args, "terms", 2 * 32)
+    assert kw_k == dict(H=32, K=128, V=128, C=16, BC=16, num_warps=8, **flags)
+
+
 def test_kda_pipelined_flush_takes_the_pools_its_layouts_cover(monkeypatch):
     """KDA's Gluon flush folds one chunk of at most 16 tokens per head with 4 or 8 warps, each
     owning at least 16 value rows; other pools take the kernels the config otherwise names."""
