@@ -323,15 +323,19 @@ def persistent_grid(n_items: int, per_sm: int, device: torch.device) -> tuple[in
     return (max(1, min(n_items, per_sm * _sm_count(index))),)
 
 
-def launch(args: tuple, frame_terms: torch.Tensor, *, H: int, G: int, K: int, V: int, C: int, BC: int,
-           HAS_X: bool, HAS_SKIP: bool, HAS_READ: bool, ROWS: bool, SKETCH_OUT: bool, SKETCH_TERMS: int,
-           batch: int, per_sm: int, num_warps: int, maxnreg: int = 0) -> None:
-    """Launch the kernel on ``per_sm`` programs per SM (at most one per work item); ``args``: the
-    chunked flush's arguments (``decode.flush``); ``frame_terms``: ``SketchTables.frame_terms``
-    (any tensor when not ``SKETCH_OUT``)."""
-    n_items = batch * H
-    _flush_pipelined_kernel[persistent_grid(n_items, per_sm, args[0].device)](
-        *args, frame_terms, n_items, H=H, G=G, K=K, V=V, C=C, BC=BC, HAS_X=HAS_X, HAS_SKIP=HAS_SKIP,
-        HAS_READ=HAS_READ, ROWS=ROWS, SKETCH_OUT=SKETCH_OUT, SKETCH_TERMS=SKETCH_TERMS, num_warps=num_warps,
-        **({"maxnreg": maxnreg} if maxnreg else {}),
-    )
+def launch_persistent(kernel, args: tuple, frame_terms: torch.Tensor, *, batch: int, per_sm: int,
+                      num_warps: int, maxnreg: int = 0, **constexprs) -> None:
+    """Launch a persistent Gluon flush ``kernel`` on ``per_sm`` programs per SM (:func:`persistent_grid`)
+    over its ``batch`` × H work items: ``args`` are the chunked flush's arguments (``decode.flush``),
+    then ``frame_terms`` (``SketchTables.frame_terms``; any tensor when not ``SKETCH_OUT``) and the
+    item count; ``constexprs`` the kernel's (H among them)."""
+    n_items = batch * constexprs["H"]
+    options = {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})}
+    grid = persistent_grid(n_items, per_sm, args[0].device)
+    kernel[grid](*args, frame_terms, n_items, **constexprs, **options)
+
+
+def launch(args: tuple, frame_terms: torch.Tensor, **options) -> None:
+    """Launch this module's kernel (:func:`launch_persistent`'s options; constexprs H, G, K, V, C,
+    BC, HAS_X, HAS_SKIP, HAS_READ, ROWS, SKETCH_OUT, SKETCH_TERMS)."""
+    launch_persistent(_flush_pipelined_kernel, args, frame_terms, **options)

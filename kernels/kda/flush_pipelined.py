@@ -49,7 +49,7 @@ from sketchcal.kernels.common.flush_pipelined import (
     _mul,
     _split3,
     _store_folded,
-    persistent_grid,
+    launch_persistent,
 )
 
 
@@ -340,15 +340,7 @@ def usable(heads: int, groups: int, key_dim: int, value_dim: int, capacity: int,
             and value_dim >= 16 * num_warps)
 
 
-def launch(args: tuple, frame_terms: torch.Tensor, *, H: int, K: int, V: int, C: int,
-           HAS_X: bool, HAS_SKIP: bool, HAS_READ: bool, ROWS: bool, SKETCH_OUT: bool, SKETCH_TERMS: int,
-           batch: int, per_sm: int, num_warps: int, maxnreg: int = 0) -> None:
-    """Launch the kernel on ``per_sm`` programs per SM (at most one per work item); ``args``: the
-    chunked flush's arguments (``decode.flush``); ``frame_terms``: ``SketchTables.frame_terms``
-    (any tensor when not ``SKETCH_OUT``)."""
-    n_items = batch * H
-    _flush_kda_kernel[persistent_grid(n_items, per_sm, args[0].device)](
-        *args, frame_terms, n_items, H=H, K=K, V=V, C=C, BC=16, HAS_X=HAS_X, HAS_SKIP=HAS_SKIP,
-        HAS_READ=HAS_READ, ROWS=ROWS, SKETCH_OUT=SKETCH_OUT, SKETCH_TERMS=SKETCH_TERMS, num_warps=num_warps,
-        **({"maxnreg": maxnreg} if maxnreg else {}),
-    )
+def launch(args: tuple, frame_terms: torch.Tensor, **options) -> None:
+    """Launch this module's kernel (``flush_pipelined.launch_persistent``'s options; constexprs H, K,
+    V, C, HAS_X, HAS_SKIP, HAS_READ, ROWS, SKETCH_OUT, SKETCH_TERMS; BC is 16)."""
+    launch_persistent(_flush_kda_kernel, args, frame_terms, BC=16, **options)
