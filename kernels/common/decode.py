@@ -186,7 +186,7 @@ CHUNK_MIN = 16  # tl.dot needs at least 16 rows/columns: buffer tiles are padded
 
 
 def sketch_terms(sketch_dtype: torch.dtype) -> int:
-    """How the tensor-core flushes (chunked, and Mamba-2's Gluon one) compute the sketch
+    """How the tensor-core flushes (chunked, and the Gluon ones of Mamba-2 and KDA) compute the sketch
     ``Sᵀ R_{:m}ᵀ`` stored in ``sketch_dtype`` (``_dot_ff``'s TERMS). fp32: both sides in three
     bf16 terms (exact to fp32 rounding), 3. bf16 or fp8: the folded state rounded to bf16 (what a
     bf16 read copy of it holds) times R in two terms, 1: about 1.5 times the error of storing the
@@ -1056,8 +1056,9 @@ def _buffer_block(capacity: int) -> int:
 
 @functools.cache
 def gluon_available() -> bool:
-    """Whether this Triton has the Gluon names :mod:`.flush_pipelined` uses (Triton 3.6 and 3.9 do);
-    without them the Mamba-2 flushes take the chunked Triton kernel."""
+    """Whether this Triton has the Gluon names the Gluon flushes use (:mod:`.flush_pipelined`, which
+    KDA's imports from; Triton 3.6 and 3.9 have them); without them the flushes that asked for
+    ``KernelConfig.pipelined`` take the Triton kernels."""
     try:
         from sketchcal.kernels.common import flush_pipelined  # noqa: F401
     except (ImportError, AttributeError):
