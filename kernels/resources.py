@@ -97,6 +97,12 @@ def build(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True, to
         consts = {k: v for k, v in consts.items() if k not in ("BV", "FAMILY")}
         consts.update(BC=16, SKETCH_TERMS=D.sketch_terms(torch.bfloat16))  # a bf16 sketch, as the benchmark's
         return _compile(P._flush_pipelined_kernel, consts, cfg, gluon=True)
+    if cfg.pipelined and family == "kda" and not cfg.chunked:
+        from sketchcal.kernels.kda import flush_sweep as SK
+
+        consts = {k: v for k, v in consts.items() if k not in ("BV", "FAMILY", "G")}
+        consts.update(BC=16, MR=SK.frame_rows(cfg.pipelined))
+        return _compile(SK._flush_kda_sweep_kernel, consts, cfg, gluon=True)
     if cfg.pipelined and family == "kda":
         from sketchcal.kernels.kda import flush_pipelined as PK
 

@@ -106,11 +106,13 @@ class KernelConfig:
       chunked flush loads its buffer tiles at once anyway.)
     - ``pipelined`` (Mamba-2 and KDA flushes, 0 = off) runs the flush as a persistent Gluon kernel
       on that many programs per SM (``num_warps`` each; ``block_v`` is ignored: a program takes
-      whole heads): Mamba-2's of :mod:`.flush_pipelined`, KDA's chunked (UT) fold on tensor cores of
-      ``kernels/kda/flush_pipelined.py`` (4 or 8 warps; a tuning candidate, slower than KDA's sweep
-      on the H200: BENCHMARKS.md, eleventh session). It needs a CUDA device, bf16 buffered inputs
-      and a Triton with Gluon (:func:`gluon_available`); elsewhere (the CPU interpreter, fp32
-      inputs) the flush takes the chunked kernel, or the sweep when ``chunked`` is False.
+      whole heads): Mamba-2's of :mod:`.flush_pipelined`; for KDA, with ``chunked`` the UT fold on
+      tensor cores of ``kernels/kda/flush_pipelined.py`` (4 or 8 warps; a tuning candidate, slower
+      than the sweeps on the H200: BENCHMARKS.md, eleventh session), without it the token-by-token
+      sweep with deferred decays of ``kernels/kda/flush_sweep.py`` (16 value columns per warp; KDA's
+      default). It needs a CUDA device, bf16 buffered inputs and a Triton with Gluon
+      (:func:`gluon_available`); elsewhere (the CPU interpreter, fp32 inputs) the flush takes the
+      chunked kernel, or with ``chunked`` False Triton's sweep (``SWEEP_FALLBACK``).
     - ``split`` (Mamba-2 sketch steps of one token, 0 = off) runs the read as two kernels
       (:mod:`.read_split`): programs of ``split`` warps compute every head's coefficients once
       per key group (and the group's dots, ``dots`` groups per program), then programs of
@@ -169,11 +171,15 @@ DEFAULT_CONFIGS: dict[tuple[str, str], KernelConfig] = {
     ("sketch", "kda"): KernelConfig(128, 1, maxnreg=64, group=2, dense_rows=16, early_map=False),
     ("flush_replay", "mamba2"): KernelConfig(64, 4, maxnreg=168, pipelined=3),
     ("flush_replay", "gdn"): KernelConfig(16, 1, chunked=False, vec=2, prefetch=True),
-    ("flush_replay", "kda"): KernelConfig(16, 1, chunked=False, vec=4, maxnreg=128),
+    ("flush_replay", "kda"): KernelConfig(128, 8, chunked=False, pipelined=1),
     ("flush_sketch", "mamba2"): KernelConfig(64, 4, maxnreg=168, pipelined=3),
     ("flush_sketch", "gdn"): KernelConfig(16, 1, chunked=False, vec=2, prefetch=True),
-    ("flush_sketch", "kda"): KernelConfig(16, 1, chunked=False, vec=4, maxnreg=128),
+    ("flush_sketch", "kda"): KernelConfig(128, 8, chunked=False, pipelined=1),
 }
+
+# The token-by-token flush a pool takes where a config asks for KDA's Gluon sweep and the pool's
+# inputs are not bf16 or there is no GPU (KDA's Triton sweep default before the Gluon one)
+SWEEP_FALLBACK = KernelConfig(16, 1, chunked=False, vec=4, maxnreg=128)
 
 # Where an fp8 (e4m3) read copy is faster with another shape (tuned for it on the H200, BENCHMARKS.md:
 # Mamba-2's replay read unrolled at 96 registers, 48.9 against 58.3 µs at batch 256; the other
@@ -1074,10 +1080,11 @@ def _pipelined(cfg: KernelConfig, family: str, pool: DecodePool) -> bool:
             and pool.buf_k.dtype == pool.buf_w.dtype == torch.bfloat16 and gluon_available()):
         return False
     if family == "kda":
-        from sketchcal.kernels.kda import flush_pipelined as kda_flush
+        from sketchcal.kernels.kda import flush_pipelined, flush_sweep
 
         _, h, kd, vd = pool.state.shape
-        return kda_flush.usable(h, pool.buf_k.shape[1], kd, vd, pool.capacity, cfg.num_warps)
+        kernel = flush_pipelined if cfg.chunked else flush_sweep
+        return kernel.usable(h, pool.buf_k.shape[1], kd, vd, pool.capacity, cfg.num_warps)
     return True
 
 
@@ -1218,6 +1225,8 @@ def flush(
         b = slots.shape[0]
     read_dtype = pool.read.dtype if pool.read is not None else None
     cfg = config or default_config("flush_sketch" if sketch else "flush_replay", family, read_dtype)
+    if cfg.pipelined and not cfg.chunked and not _pipelined(cfg, family, pool):
+        cfg = SWEEP_FALLBACK  # a Gluon sweep's pool it cannot take (fp32 inputs, the CPU): Triton's sweep
     bv = max(_block_v(cfg, vd), CHUNK_MIN if cfg.chunked else 1)  # tl.dot needs 16 rows
     sk = pool.sketch if sketch else pool.state
     xs = x if x is not None else StepInputs(pool.buf_k, pool.buf_k, pool.buf_w, pool.buf_decay, pool.buf_beta)
@@ -1239,14 +1248,18 @@ def flush(
     grid = (vd // bv, heads, b)
     terms = sketch_terms(sk.dtype)
     if family == "kda" and _pipelined(cfg, family, pool):
-        from sketchcal.kernels.kda import flush_pipelined as kda_flush
+        from sketchcal.kernels.kda import flush_pipelined, flush_sweep
 
-        kda_flush.launch(
-            args, tables.frame_terms if sketch else dummy, H=heads, K=kd, V=vd, C=pool.capacity,
-            HAS_X=common["HAS_X"], HAS_SKIP=common["HAS_SKIP"], HAS_READ=common["HAS_READ"], ROWS=sketch,
-            SKETCH_OUT=sketch, SKETCH_TERMS=terms, batch=b, per_sm=cfg.pipelined, num_warps=cfg.num_warps,
-            maxnreg=cfg.maxnreg,
+        options = dict(
+            H=heads, K=kd, V=vd, C=pool.capacity, HAS_X=common["HAS_X"], HAS_SKIP=common["HAS_SKIP"],
+            HAS_READ=common["HAS_READ"], ROWS=sketch, SKETCH_OUT=sketch, batch=b, per_sm=cfg.pipelined,
+            num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
         )
+        if cfg.chunked:
+            terms_or_dummy = tables.frame_terms if sketch else dummy
+            flush_pipelined.launch(args, terms_or_dummy, SKETCH_TERMS=terms, **options)
+        else:
+            flush_sweep.launch(args, dummy, **options)
     elif _pipelined(cfg, family, pool):
         from sketchcal.kernels.common import flush_pipelined
 

@@ -602,6 +602,15 @@ def test_kda_pipelined_flush_takes_the_pools_its_layouts_cover(monkeypatch):
     assert not decode._pipelined(eight, "kda", pool(kd=16))
     assert not decode._pipelined(decode.KernelConfig(128, 2, pipelined=1), "kda", pool())
     assert not decode._pipelined(eight, "gdn", pool())
+    # the deferred-decay sweep (chunked=False): 16 value columns per warp, K a multiple of 32
+    sweep8 = decode.KernelConfig(128, 8, False, pipelined=1)
+    sweep4 = decode.KernelConfig(64, 4, False, pipelined=1)
+    assert decode._pipelined(sweep8, "kda", pool()) and decode._pipelined(sweep4, "kda", pool(vd=64))
+    assert not decode._pipelined(sweep4, "kda", pool())  # 32 columns per warp
+    assert not decode._pipelined(sweep8, "kda", pool(kd=48))
+    assert not decode._pipelined(sweep8, "kda", pool(cap=17))
+    assert not decode._pipelined(sweep8, "kda", pool(g=16))
+    assert not decode._pipelined(sweep8, "gdn", pool())
 
 
 @pytest.mark.parametrize("family", ["mamba2", "kda"])
@@ -679,15 +688,20 @@ def _many_heads_per_program(family, op, capacity, reference_config, config, cycl
 
 
 KDA_PIPELINED = [decode.KernelConfig(128, 8, pipelined=1), decode.KernelConfig(128, 4, pipelined=1)]
+# the persistent sweep with deferred decays (kernels/kda/flush_sweep.py): 8 warps of 16 value columns,
+# one program per SM
+KDA_SWEEP = [decode.KernelConfig(128, 8, False, pipelined=1)]
+KDA_IDS = ["warps8", "warps4", "sweep"]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [*DTYPES, "fp8"])
 @pytest.mark.parametrize("op", ["flush", "flush_sketch"])
-@pytest.mark.parametrize("config", KDA_PIPELINED, ids=["warps8", "warps4"])
+@pytest.mark.parametrize("config", KDA_PIPELINED + KDA_SWEEP, ids=KDA_IDS)
 def test_pipelined_kda_flush_gpu(config, op, dtype):
-    """KDA's persistent Gluon flush (the chunked UT fold on tensor cores) at the real shape, held
-    to 1e-6 like Mamba-2's. fp32 inputs take the token-by-token kernel instead (checked here too)."""
+    """KDA's persistent Gluon flushes (the chunked UT fold on tensor cores; the sweep with deferred
+    decays) at the real shape, held to 1e-6 like Mamba-2's. fp32 inputs take the Triton kernels
+    instead (checked here too)."""
     h, g, kd, vd = GPU_SHAPES["kda"]
     inputs = DTYPES.get(dtype, torch.bfloat16)
     probe = random_pool("kda", 1, h, g, kd, vd, capacity=16, input_dtype=inputs, device="cuda")
@@ -696,25 +710,29 @@ def test_pipelined_kda_flush_gpu(config, op, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", KDA_PIPELINED, ids=["warps8", "warps4"])
+@pytest.mark.parametrize("config", KDA_PIPELINED + KDA_SWEEP, ids=KDA_IDS)
 def test_pipelined_kda_flush_tiny_and_zero_decays_gpu(config):
-    """The UT fold builds every product of decays as a running product: decays whose product
-    underflows, an exact zero decay, and one head's tiny decay must still give the reference."""
+    """The UT fold builds every product of decays as a running product, and the deferred-decay
+    sweep falls back to the direct sweep for a head whose running products leave [2⁻⁶⁴, 2⁶⁴]:
+    decays whose product underflows, an exact zero decay, and one head's tiny decay must still give
+    the reference. Slot 4's decays (0.1 throughout: products down to 1e-16 ≈ 2⁻⁵³) stay on the
+    scaled path, whose reciprocals then reach 2⁵³."""
     h, g, kd, vd = GPU_SHAPES["kda"]
     gen = torch.Generator().manual_seed(11)
-    pool = random_pool("kda", 4, h, g, kd, vd, capacity=16, device="cuda", generator=gen)
+    pool = random_pool("kda", 5, h, g, kd, vd, capacity=16, device="cuda", generator=gen)
     assert decode._pipelined(config, "kda", pool)
     pool.buf_decay[0, :, 1:3] = 1e-30
     pool.buf_decay[1, :, 2] = 0.0
     pool.buf_decay[2, 0, 4] = 1e-25
     pool.buf_decay[3, :, 5, ::2] = 1e-38  # half the channels only
-    slots = torch.tensor([0, 1, 2, 3], dtype=torch.int32, device="cuda")
-    pos = torch.tensor([16, 15, 16, 9], dtype=torch.int32, device="cuda")
+    pool.buf_decay[4] = 0.1
+    slots = torch.tensor([0, 1, 2, 3, 4], dtype=torch.int32, device="cuda")
+    pos = torch.tensor([16, 15, 16, 9, 16], dtype=torch.int32, device="cuda")
     got, want = pool.clone(), pool.clone()
     decode.flush("kda", got, slots, pos, config=config)
     ref.flush("kda", want, slots, pos)
     assert torch.isfinite(got.state).all()
-    for s in range(4):
+    for s in range(5):
         assert _rel(got.state[s], want.state[s]) <= 1e-6, s
 
 
@@ -727,6 +745,16 @@ def test_pipelined_kda_flush_many_heads_per_program_gpu(op, capacity):
     reference); buffers of every length up to the capacity (a full chunk, or a shorter one)."""
     sweep = decode.KernelConfig(16, 1, chunked=False, vec=4)
     _many_heads_per_program("kda", op, capacity, sweep, KDA_PIPELINED[0], cyclic=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("capacity", [16, 11])
+@pytest.mark.parametrize("op", ["flush", "flush_sketch"])
+def test_kda_sweep_flush_many_heads_per_program_gpu(op, capacity):
+    """The persistent deferred-decay sweep on one program per SM (about 16 heads each) against
+    Triton's sweep on the same pool, buffers of every length up to the capacity."""
+    sweep = decode.KernelConfig(16, 1, chunked=False, vec=4)
+    _many_heads_per_program("kda", op, capacity, sweep, KDA_SWEEP[0], cyclic=True)
 
 
 def _candidates() -> list[tuple[str, str, decode.KernelConfig]]:

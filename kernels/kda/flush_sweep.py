@@ -1,0 +1,332 @@
+"""KDA's token-by-token flush as a persistent, software-pipelined Gluon kernel (CUDA only), with the
+per-channel decays deferred into one scale per key channel.
+
+Triton's sweep (``decode._flush_kernel``) runs one program per [K, 16] tile and spends three
+operations per state element per buffered token: the decay ``S ← Diag(α_j) S``, the dot ``kᵀ S`` and
+the rank-1 update. Every program also rebuilds each token's per-channel terms (keys, decays) for its
+own tile, and no load is in flight while it computes (BENCHMARKS.md). Here a program of
+``num_warps`` warps takes whole heads (work item = batch row × H + head; each warp a band of 16
+value columns), walking ``pid, pid + programs, …``: while one head is swept, the next head's state
+tile, buffered keys, decays and values are copied into shared memory (``cp.async``).
+
+The math: with ``c_j = α_0 ⊙ ⋯ ⊙ α_j`` (per channel, running products) the head's state is held as
+``S = Diag(c) Ŝ``, and token j (``w_j = β_j v_j``) costs two operations per element:
+
+    d_j = w_j − Ŝᵀ (β_j c_j ⊙ k_j),   Ŝ ← Ŝ + (k_j / c_j) d_jᵀ,
+
+since ``kᵀ Diag(α_j) S_{j−1} = (c_j ⊙ k_j)ᵀ Ŝ`` and ``Diag(α_j) S_{j−1} + k_j d_jᵀ = Diag(c_j)(Ŝ +
+(k_j / c_j) d_jᵀ)``. The two coefficient rows of every token are built once per head, one channel per
+thread, into shared memory, and the sweep reads them there; ``S = Diag(c_{n−1}) Ŝ`` at the end. The
+scale only moves each key row by a factor: the rounding is that of the direct sweep. A window whose
+running products leave [2⁻⁶⁴, 2⁶⁴] (a decay product that underflows, an exact zero) would overflow
+``k / c``: that head is swept the direct way instead (``Diag(α_j)`` applied at each token, three
+operations per element), from the same shared memory.
+
+Then the flush's new token, the state store, the read copy (replay: every head; sketch: the dense
+heads) and the sketch ``R_{:m} S`` (exact fp32 products of R's rows, on the FMA units, as the
+Triton sweep writes it).
+
+Speed (BENCHMARKS.md, twelfth session): KDA's default flush. On the H200 at batch 256 it takes 601
+against 629 µs for Triton's sweep in sketch mode, and 491 against 600 µs in replay mode, at one
+program of 8 warps per SM (202 registers; two programs per SM at 128 registers, 16 warps of 8
+columns, and tokens taken in pairs were all slower). Nsight Compute puts it at 0.43 issued
+instructions per scheduler: the phases of a head (coefficients, sweep, new token, stores, sketch)
+are chains of dependent steps that its 8 warps run in lockstep.
+
+Gluon kernels cannot run in the CPU interpreter: the ``gpu`` tests hold this kernel to the float64
+reference (``decode.flush`` chooses it with ``KernelConfig(chunked=False, pipelined=N)``).
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+from sketchcal.kernels.common.flush_pipelined import _async_load, _barrier, _entry, _mul, launch_persistent
+
+if hasattr(gl.shared_memory_descriptor, "reinterpret"):  # Triton ≥ 3.7 (the CPU machine's 3.9)
+
+    @gluon.jit
+    def _rows(plane, R: gl.constexpr, N: gl.constexpr, layout: gl.constexpr):
+        """The plane [R, N] viewed as [R, 1, N]: ``.index(j)`` is then row j as [1, N], at a dynamic j."""
+        return plane.reinterpret(plane.dtype, [R, 1, N], layout)
+
+else:  # Triton 3.6 (the device's)
+
+    @gluon.jit
+    def _rows(plane, R: gl.constexpr, N: gl.constexpr, layout: gl.constexpr):
+        """The plane [R, N] viewed as [R, 1, N]: ``.index(j)`` is then row j as [1, N], at a dynamic j."""
+        return plane._reinterpret(plane.dtype, [R, 1, N], layout)
+
+
+# the running products the scaled sweep takes: their reciprocals stay finite and normal
+TINY = gl.constexpr(2.0**-64)
+HUGE = gl.constexpr(2.0**64)
+
+
+@gluon.jit
+def _issue(
+    state, buf_k, buf_w, buf_decay, ranks, frames, item, s, n, s_smem, k_smem, a_smem, w_smem, r_smem,
+    H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, C: gl.constexpr, BC: gl.constexpr, MR: gl.constexpr,
+    LS: gl.constexpr, LB: gl.constexpr, LF: gl.constexpr, SKETCH_OUT: gl.constexpr,
+):
+    """Start the copies of work item ``item`` (slot ``s``, ``n`` buffered tokens) into shared
+    memory: its state tile [K, V] fp32, buffered keys [BC, K] bf16, decays [BC, K] fp32 and values
+    [BC, V] bf16 (rows ≥ n zero-filled), and with ``SKETCH_OUT`` the first ``MR`` rows of its frame
+    R [MR, K] fp32 (rows ≥ its rank zero-filled). A padding slot or an item past the end copies
+    zeros."""
+    i_h = item % H
+    live = s >= 0
+    head = gl.where(live, s, 0).to(gl.int64) * H + i_h
+    o_k = gl.arange(0, K, gl.SliceLayout(1, LS))
+    o_v = gl.arange(0, V, gl.SliceLayout(0, LS))
+    m_s = (o_k[:, None] < gl.where(live, K, 0)) & (o_v[None, :] < V)
+    _async_load(s_smem, state + head * (K * V) + (o_k[:, None] * V + o_v[None, :]), m_s)
+    nb = gl.where(live, n, 0)
+    o_c = gl.arange(0, BC, gl.SliceLayout(1, LB))
+    o_kb = gl.arange(0, K, gl.SliceLayout(0, LB))
+    o_vb = gl.arange(0, V, gl.SliceLayout(0, LB))
+    m_k = (o_c[:, None] < nb) & (o_kb[None, :] < K)
+    _async_load(k_smem, buf_k + head * (C * K) + (o_c[:, None] * K + o_kb[None, :]), m_k)  # G = H
+    m_w = (o_c[:, None] < nb) & (o_vb[None, :] < V)
+    _async_load(w_smem, buf_w + head * (C * V) + (o_c[:, None] * V + o_vb[None, :]), m_w)
+    o_cf = gl.arange(0, BC, gl.SliceLayout(1, LF))
+    o_kf = gl.arange(0, K, gl.SliceLayout(0, LF))
+    m_a = (o_cf[:, None] < nb) & (o_kf[None, :] < K)
+    _async_load(a_smem, buf_decay + head * (C * K) + (o_cf[:, None] * K + o_kf[None, :]), m_a)
+    if SKETCH_OUT:
+        m = gl.where(live, gl.load(ranks + i_h), 0)
+        o_r = gl.arange(0, MR, gl.SliceLayout(1, LF))
+        m_r = (o_r[:, None] < m) & (o_kf[None, :] < K)
+        _async_load(r_smem, frames + i_h * (K * K) + (o_r[:, None] * K + o_kf[None, :]), m_r)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _small_inputs(
+    k, q, w, decay, beta, skip, buf_beta, item, s, n, H: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
+    C: gl.constexpr, BC: gl.constexpr, L1: gl.constexpr, HAS_X: gl.constexpr, HAS_SKIP: gl.constexpr,
+):
+    """Work item ``item``'s small inputs, loaded one item ahead into few registers (``L1``, spread
+    over the program; loaded in the tile's layouts instead, each thread would load 16 of each
+    vector, and the replay flush took 539 against 496 µs at batch 256): the buffered betas [BC]
+    (0 past n) and with ``HAS_X`` the new token's key, query and decay [K], value and skip [V] and
+    beta."""
+    i_b = item // H
+    i_h = item % H
+    live_s = s >= 0
+    o_c = gl.arange(0, BC, L1)
+    hb = (gl.where(live_s, s, 0).to(gl.int64) * H + i_h) * C
+    bt = gl.load(buf_beta + hb + o_c, mask=o_c < gl.where(live_s, n, 0), other=0.0)
+    o_k = gl.arange(0, K, L1)
+    o_v = gl.arange(0, V, L1)
+    live = live_s & HAS_X
+    xk = (i_b * H + i_h) * K  # G = H
+    xw = (i_b * H + i_h) * V
+    kk = gl.load(k + xk + o_k, mask=live & (o_k < K), other=0.0)
+    qq = gl.load(q + xk + o_k, mask=live & (o_k < K), other=0.0)
+    dd = gl.load(decay + xk + o_k, mask=live & (o_k < K), other=1.0)
+    ww = gl.load(w + xw + o_v, mask=live & (o_v < V), other=0.0)
+    sw = gl.load(skip + xw + o_v, mask=live & HAS_SKIP & (o_v < V), other=0.0)
+    bx = gl.load(beta + i_b * H + i_h, mask=live, other=0.0)
+    return bt, kk, qq, dd, ww, sw, bx
+
+
+@gluon.jit
+def _coefficients(a_smem, k_smem, w_smem, r_smem, bt, n, dot_smem, upd_smem, scale_smem, w_cur, r_cur,
+                  K: gl.constexpr, BC: gl.constexpr, LD: gl.constexpr, LB: gl.constexpr, LF: gl.constexpr,
+                  SKETCH_OUT: gl.constexpr):
+    """One head's per-token coefficient rows [BC, K] (``dot_smem``, ``upd_smem``) and final scale
+    [K] (``scale_smem``) from its buffered decays and keys (shared memory) and betas ``bt`` [BC]:
+    ``β_j c_j ⊙ k_j``, ``k_j / c_j`` and ``c_{n−1}`` when every running product lies in
+    [TINY, HUGE] (returns True); else ``α_j``, ``k_j`` and ones, for the direct sweep (returns
+    False). One key channel per thread (``LD``: its tokens in registers, so the scan stays in the
+    thread); rows ≥ n are identity tokens (k = 0, α = 1). The values (and with ``SKETCH_OUT`` the
+    frame rows) move from the copy buffers ``w_smem`` (``r_smem``) to ``w_cur`` (``r_cur``), out of
+    the way of the next item's copies."""
+    w_cur.store(w_smem.load(LB))
+    if SKETCH_OUT:
+        r_cur.store(r_smem.load(LF))
+    o_c = gl.arange(0, BC, gl.SliceLayout(1, LD))
+    al = gl.where(o_c[:, None] < n, a_smem.load(LD), 1.0)
+    kf = k_smem.load(LD).to(gl.float32)
+    c = gl.associative_scan(al, 0, _mul)
+    bad = gl.max(gl.max(gl.where((c >= TINY) & (c <= HUGE), 0, 1), axis=0), axis=0)
+    fast = bad == 0
+    if fast:
+        b = gl.convert_layout(bt, gl.SliceLayout(1, LD))
+        dot_smem.store(b[:, None] * c * kf)
+        upd_smem.store(kf / c)
+        scale_smem.store(gl.sum(gl.where(o_c[:, None] == BC - 1, c, 0.0), axis=0))
+    else:
+        dot_smem.store(al)
+        upd_smem.store(kf)
+        scale_smem.store(gl.full([K], 1.0, gl.float32, gl.SliceLayout(0, LD)))
+    return fast
+
+
+@gluon.jit
+def _flush_kda_sweep_kernel(
+    state, slots, pos, q, k, w, decay, beta, skip, out,
+    buf_k, buf_w, buf_decay, buf_beta,
+    rd, read_rows, sk, ranks, frames, sk_head_stride, frame_terms, n_items,
+    H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, C: gl.constexpr, BC: gl.constexpr, MR: gl.constexpr,
+    HAS_X: gl.constexpr, HAS_SKIP: gl.constexpr, HAS_READ: gl.constexpr, ROWS: gl.constexpr,
+    SKETCH_OUT: gl.constexpr,
+):
+    """The flush over ``n_items`` work items (see the module docstring); the arguments are the
+    chunked flush's (the sketch reads R from ``frames`` [H, K, K] fp32), then ``frame_terms``
+    (unused) and the item count. BC is 16; V is 16 per warp; K a multiple of 32; the first MR (a
+    multiple of 4) rows of each head's frame are copied with its tiles, rows past MR are read from
+    global memory."""
+    WARPS: gl.constexpr = gl.num_warps()
+    TR: gl.constexpr = 16 // WARPS if WARPS < 16 else 1  # lanes along the 16 rows of a [16, *] copy
+    # the state tile [K, V]: each warp 16 value columns, a thread 4 of them on 4 runs of 4 key rows
+    # (4 lanes along V, 8 along K): the k·S reduction is 16 values in the thread, then 3 shuffles
+    LT: gl.constexpr = gl.BlockedLayout([4, 4], [8, 4], [1, WARPS], [1, 0])
+    ROW: gl.constexpr = gl.SliceLayout(1, LT)  # [K] per key row: a run of 4 per lane, 16-B reads
+    COL: gl.constexpr = gl.SliceLayout(0, LT)  # [V] per value column
+    # copies: 16 B per thread along the contiguous axis
+    LS: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [WARPS, 1], [1, 0])  # [K, V] fp32
+    LB: gl.constexpr = gl.BlockedLayout([1, 8], [TR, 32 // TR], [WARPS, 1], [1, 0])  # [16, *] bf16
+    LF: gl.constexpr = gl.BlockedLayout([1, 4], [TR, 32 // TR], [WARPS, 1], [1, 0])  # [16, K] fp32
+    # the coefficients: one key channel per thread with its tokens in registers
+    DR: gl.constexpr = max(1, 32 * WARPS // K)  # lanes along a channel's tokens: the tile covered once
+    LD: gl.constexpr = gl.BlockedLayout([BC // DR, 1], [DR, 32 // DR], [1, WARPS], [0, 1])
+    L1: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    # the state tile swizzled so that the 8 lanes along K (rows 4 apart) of each 16-B read of LT hit
+    # distinct banks; the rest unswizzled (rows read whole, or one channel per lane)
+    SS: gl.constexpr = gl.SwizzledSharedLayout(4, 4, 8, order=[1, 0])
+    SP: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    SP1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    s_smem = gl.allocate_shared_memory(gl.float32, [K, V], SS)
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SP)
+    a_smem = gl.allocate_shared_memory(gl.float32, [BC, K], SP)
+    w_smem = gl.allocate_shared_memory(gl.bfloat16, [BC, V], SP)
+    w_cur = gl.allocate_shared_memory(gl.bfloat16, [BC, V], SP)  # this item's, while the next's arrive
+    dot_smem = gl.allocate_shared_memory(gl.float32, [BC, K], SP)
+    upd_smem = gl.allocate_shared_memory(gl.float32, [BC, K], SP)
+    scale_smem = gl.allocate_shared_memory(gl.float32, [K], SP1)
+    # the same planes as [BC, 1, K], for reads of one token's row ([1, K]) at a dynamic index
+    dot_rows = _rows(dot_smem, BC, K, SP)
+    upd_rows = _rows(upd_smem, BC, K, SP)
+    w_rows = _rows(w_cur, BC, V, SP)
+    if SKETCH_OUT:  # the frame's first MR rows: the copy buffer, and this item's
+        r_smem = gl.allocate_shared_memory(gl.float32, [MR, K], SP)
+        r_cur = gl.allocate_shared_memory(gl.float32, [MR, K], SP)
+    else:  # (neither written nor read)
+        r_smem = a_smem
+        r_cur = a_smem
+    r_rows = _rows(r_cur, MR, K, SP)
+
+    pid = gl.program_id(0)
+    progs = gl.num_programs(0)
+    o_k = gl.arange(0, K, ROW)
+    o_v = gl.arange(0, V, COL)
+    offs = o_k[:, None] * V + o_v[None, :]
+    s_c, n_c = _entry(slots, pos, pid, n_items, H)
+    _issue(state, buf_k, buf_w, buf_decay, ranks, frames, pid, s_c, n_c, s_smem, k_smem, a_smem, w_smem,
+           r_smem, H, K, V, C, BC, MR, LS, LB, LF, SKETCH_OUT)
+    bt, kk, qq, dd, ww, sw, bx = _small_inputs(k, q, w, decay, beta, skip, buf_beta, pid, s_c, n_c, H, K, V,
+                                               C, BC, L1, HAS_X, HAS_SKIP)
+    s_n, n_n = _entry(slots, pos, pid + progs, n_items, H)
+    for item in range(pid, n_items, progs):
+        i_b = item // H
+        i_h = item % H
+        async_copy.wait_group(0)
+        _barrier()  # (also: every thread is past the previous item's sweep)
+        fast = _coefficients(a_smem, k_smem, w_smem, r_smem, bt, n_c, dot_smem, upd_smem, scale_smem, w_cur,
+                             r_cur, K, BC, LD, LB, LF, SKETCH_OUT)
+        S = s_smem.load(LT)
+        _barrier()
+        # the next head's copies run while this one is swept and stored
+        nxt = item + progs
+        _issue(state, buf_k, buf_w, buf_decay, ranks, frames, nxt, s_n, n_n, s_smem, k_smem, a_smem, w_smem,
+               r_smem, H, K, V, C, BC, MR, LS, LB, LF, SKETCH_OUT)
+        nxt = gl.where(nxt < n_items, nxt, 0)
+        bt_n, kk_n, qq_n, dd_n, ww_n, sw_n, bx_n = _small_inputs(
+            k, q, w, decay, beta, skip, buf_beta, nxt, s_n, n_n, H, K, V, C, BC, L1, HAS_X, HAS_SKIP)
+        s_nn, n_nn = _entry(slots, pos, item + 2 * progs, n_items, H)
+        if s_c >= 0:
+            head = s_c.to(gl.int64) * H + i_h
+            if fast:
+                for j in range(0, n_c):
+                    a = dot_rows.index(j).permute([1, 0]).load(LT)  # [K, 1]
+                    u = upd_rows.index(j).permute([1, 0]).load(LT)
+                    wj = w_rows.index(j).load(LT).to(gl.float32)  # [1, V]
+                    d = wj - gl.sum(S * a, axis=0, keep_dims=True)
+                    S = S + u * d
+            else:  # the direct sweep: dot_smem holds the decays, upd_smem the keys
+                hb = head * C
+                for j in range(0, n_c):
+                    al = dot_rows.index(j).permute([1, 0]).load(LT)
+                    kj = upd_rows.index(j).permute([1, 0]).load(LT)
+                    wj = w_rows.index(j).load(LT).to(gl.float32)
+                    S = S * al
+                    d = wj - gl.load(buf_beta + hb + j) * gl.sum(S * kj, axis=0, keep_dims=True)
+                    S = S + kj * d
+            f = scale_smem.load(ROW)
+            if HAS_X:  # the new token's decay goes into the same multiply as the scale
+                S = S * (f * gl.convert_layout(dd, ROW).to(gl.float32))[:, None]
+                kx = gl.convert_layout(kk, ROW).to(gl.float32)
+                ks = gl.sum(S * kx[:, None], axis=0)
+                vx = gl.convert_layout(ww, COL).to(gl.float32)
+                S = S + kx[:, None] * (vx - bx.to(gl.float32) * ks)[None, :]
+                o = gl.sum(S * gl.convert_layout(qq, ROW).to(gl.float32)[:, None], axis=0)
+                if HAS_SKIP:
+                    o += gl.convert_layout(sw, COL).to(gl.float32)
+                gl.store(out + (i_b * H + i_h) * V + o_v, o.to(out.dtype.element_ty))
+            else:
+                S = S * f[:, None]
+            base = head * (K * V)
+            gl.store(state + base + offs, S)
+            if HAS_READ:
+                if ROWS:
+                    if gl.load(read_rows + i_h) > 0:
+                        gl.store(rd + base + offs, S.to(rd.dtype.element_ty))
+                else:
+                    gl.store(rd + base + offs, S.to(rd.dtype.element_ty))
+            if SKETCH_OUT:
+                # R_{:m} S on the FMA units (fp32 products), four rows of R at a time (four independent
+                # reductions), the first MR from shared memory, the rest from global memory (row
+                # r + 1 loaded while row r is applied)
+                m = gl.load(ranks + i_h)
+                sk_h = sk + head * sk_head_stride + o_v[None, :]  # [1, V]
+                for r in range(0, gl.minimum(m, MR), 4):
+                    for i in gl.static_range(4):
+                        x = gl.sum(S * r_rows.index(r + i).permute([1, 0]).load(LT), axis=0, keep_dims=True)
+                        row_ok = (r + i < m) & (o_v[None, :] < V)
+                        gl.store(sk_h + (r + i) * V, x.to(sk.dtype.element_ty), mask=row_ok)
+                fr = frames + i_h * (K * K)  # R of this head, [K, K]
+                rrow = gl.load(fr + MR * K + o_k, mask=o_k < gl.where(m > MR, K, 0), other=0.0)
+                for r in range(MR, m):
+                    rnext = gl.load(fr + (r + 1) * K + o_k, mask=o_k < gl.where(r + 1 < m, K, 0), other=0.0)
+                    x = gl.sum(S * rrow[:, None], axis=0, keep_dims=True)
+                    gl.store(sk_h + r * V, x.to(sk.dtype.element_ty))
+                    rrow = rnext
+        s_c, n_c, s_n, n_n = s_n, n_n, s_nn, n_nn
+        bt, kk, qq, dd, ww, sw, bx = bt_n, kk_n, qq_n, dd_n, ww_n, sw_n, bx_n
+    async_copy.wait_group(0)
+
+
+def usable(heads: int, groups: int, key_dim: int, value_dim: int, capacity: int, num_warps: int) -> bool:
+    """Whether this kernel takes a KDA pool of these dims: one head per group, a buffer of at most
+    16 tokens, 16 value columns per warp (V = 16 · num_warps, up to 8 warps) and K a multiple of
+    32 (the tile layout's key rows)."""
+    return (groups == heads and 0 < capacity <= 16 and num_warps in (1, 2, 4, 8)
+            and value_dim == 16 * num_warps and key_dim % 32 == 0)
+
+
+def frame_rows(per_sm: int) -> int:
+    """The frame rows a program copies with each head's tiles: 16 at one program per SM (~117 KB of
+    shared memory in all), 8 at more (~109 KB: two programs fit in the SM's 228 KB)."""
+    return 16 if per_sm == 1 else 8
+
+
+def launch(args: tuple, frame_terms: torch.Tensor, **options) -> None:
+    """Launch this module's kernel (``flush_pipelined.launch_persistent``'s options; constexprs H, K,
+    V, C, HAS_X, HAS_SKIP, HAS_READ, ROWS, SKETCH_OUT; BC is 16, MR from :func:`frame_rows`)."""
+    launch_persistent(_flush_kda_sweep_kernel, args, frame_terms, BC=16, MR=frame_rows(options["per_sm"]),
+                      **options)
