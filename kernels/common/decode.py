@@ -152,7 +152,8 @@ class KernelConfig:
 # batch 256 among ``bench.TUNE_CANDIDATES`` (BENCHMARKS.md, "Decode kernels"), checked there by the
 # ``gpu`` tests with exactly these shapes. The token-by-token forms won everywhere but the Mamba-2
 # flushes (on tensor cores, the persistent Gluon kernel of flush_pipelined: 3 programs per SM at 168
-# registers). Mamba-2's sketch read of one token is the split form of read_split (its spec_verify
+# registers); KDA's flushes are token by token in a persistent Gluon kernel (kda/flush_sweep.py: one
+# program of 8 warps per SM). Mamba-2's sketch read of one token is the split form of read_split (its spec_verify
 # reads, the one-kernel form with the other fields). ``bench.run_bench(tune=True)`` re-picks them
 # on another device.
 DEFAULT_CONFIGS: dict[tuple[str, str], KernelConfig] = {
