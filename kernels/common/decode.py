@@ -153,9 +153,9 @@ class KernelConfig:
 # ``gpu`` tests with exactly these shapes. The token-by-token forms won everywhere but the Mamba-2
 # flushes (on tensor cores, the persistent Gluon kernel of flush_pipelined: 3 programs per SM at 168
 # registers); KDA's flushes are token by token in a persistent Gluon kernel (kda/flush_sweep.py: one
-# program of 8 warps per SM). Mamba-2's sketch read of one token is the split form of read_split (its spec_verify
-# reads, the one-kernel form with the other fields). ``bench.run_bench(tune=True)`` re-picks them
-# on another device.
+# program of 8 warps per SM). Mamba-2's sketch read of one token is the split form of read_split
+# (its spec_verify reads, the one-kernel form with the other fields). ``bench.run_bench(tune=True)``
+# re-picks them on another device.
 DEFAULT_CONFIGS: dict[tuple[str, str], KernelConfig] = {
     ("standard", "mamba2"): KernelConfig(64, 4),
     ("standard", "gdn"): KernelConfig(64, 4),

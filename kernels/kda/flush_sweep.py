@@ -46,6 +46,11 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 from sketchcal.kernels.common.flush_pipelined import _async_load, _barrier, _entry, _mul, launch_persistent
 
+# the buffered betas and the new token's inputs, loaded one item ahead, as the UT fold loads them; here
+# the betas too go into the compact layout (loaded in the tile's layouts instead, each thread would load
+# 16 of each vector: the replay flush took 539 against 496 µs at batch 256)
+from sketchcal.kernels.kda.flush_pipelined import _small_inputs
+
 if hasattr(gl.shared_memory_descriptor, "reinterpret"):  # Triton ≥ 3.7 (the CPU machine's 3.9)
 
     @gluon.jit
@@ -102,36 +107,6 @@ def _issue(
         m_r = (o_r[:, None] < m) & (o_kf[None, :] < K)
         _async_load(r_smem, frames + i_h * (K * K) + (o_r[:, None] * K + o_kf[None, :]), m_r)
     async_copy.commit_group()
-
-
-@gluon.jit
-def _small_inputs(
-    k, q, w, decay, beta, skip, buf_beta, item, s, n, H: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
-    C: gl.constexpr, BC: gl.constexpr, L1: gl.constexpr, HAS_X: gl.constexpr, HAS_SKIP: gl.constexpr,
-):
-    """Work item ``item``'s small inputs, loaded one item ahead into few registers (``L1``, spread
-    over the program; loaded in the tile's layouts instead, each thread would load 16 of each
-    vector, and the replay flush took 539 against 496 µs at batch 256): the buffered betas [BC]
-    (0 past n) and with ``HAS_X`` the new token's key, query and decay [K], value and skip [V] and
-    beta."""
-    i_b = item // H
-    i_h = item % H
-    live_s = s >= 0
-    o_c = gl.arange(0, BC, L1)
-    hb = (gl.where(live_s, s, 0).to(gl.int64) * H + i_h) * C
-    bt = gl.load(buf_beta + hb + o_c, mask=o_c < gl.where(live_s, n, 0), other=0.0)
-    o_k = gl.arange(0, K, L1)
-    o_v = gl.arange(0, V, L1)
-    live = live_s & HAS_X
-    xk = (i_b * H + i_h) * K  # G = H
-    xw = (i_b * H + i_h) * V
-    kk = gl.load(k + xk + o_k, mask=live & (o_k < K), other=0.0)
-    qq = gl.load(q + xk + o_k, mask=live & (o_k < K), other=0.0)
-    dd = gl.load(decay + xk + o_k, mask=live & (o_k < K), other=1.0)
-    ww = gl.load(w + xw + o_v, mask=live & (o_v < V), other=0.0)
-    sw = gl.load(skip + xw + o_v, mask=live & HAS_SKIP & (o_v < V), other=0.0)
-    bx = gl.load(beta + i_b * H + i_h, mask=live, other=0.0)
-    return bt, kk, qq, dd, ww, sw, bx
 
 
 @gluon.jit
@@ -230,7 +205,7 @@ def _flush_kda_sweep_kernel(
     _issue(state, buf_k, buf_w, buf_decay, ranks, frames, pid, s_c, n_c, s_smem, k_smem, a_smem, w_smem,
            r_smem, H, K, V, C, BC, MR, LS, LB, LF, SKETCH_OUT)
     bt, kk, qq, dd, ww, sw, bx = _small_inputs(k, q, w, decay, beta, skip, buf_beta, pid, s_c, n_c, H, K, V,
-                                               C, BC, L1, HAS_X, HAS_SKIP)
+                                               C, BC, L1, L1, HAS_X, HAS_SKIP)
     s_n, n_n = _entry(slots, pos, pid + progs, n_items, H)
     for item in range(pid, n_items, progs):
         i_b = item // H
@@ -247,7 +222,7 @@ def _flush_kda_sweep_kernel(
                r_smem, H, K, V, C, BC, MR, LS, LB, LF, SKETCH_OUT)
         nxt = gl.where(nxt < n_items, nxt, 0)
         bt_n, kk_n, qq_n, dd_n, ww_n, sw_n, bx_n = _small_inputs(
-            k, q, w, decay, beta, skip, buf_beta, nxt, s_n, n_n, H, K, V, C, BC, L1, HAS_X, HAS_SKIP)
+            k, q, w, decay, beta, skip, buf_beta, nxt, s_n, n_n, H, K, V, C, BC, L1, L1, HAS_X, HAS_SKIP)
         s_nn, n_nn = _entry(slots, pos, item + 2 * progs, n_items, H)
         if s_c >= 0:
             head = s_c.to(gl.int64) * H + i_h
