@@ -112,7 +112,7 @@ class KernelConfig:
       sweep with deferred decays of ``kernels/kda/flush_sweep.py`` (16 value columns per warp; KDA's
       default). It needs a CUDA device, bf16 buffered inputs and a Triton with Gluon
       (:func:`gluon_available`); elsewhere (the CPU interpreter, fp32 inputs) the flush takes the
-      chunked kernel, or with ``chunked`` False Triton's sweep (``SWEEP_FALLBACK``).
+      chunked kernel, or with ``chunked`` False the sweep (KDA's: ``SWEEP_FALLBACK``).
     - ``split`` (Mamba-2 sketch steps of one token, 0 = off) runs the read as two kernels
       (:mod:`.read_split`): programs of ``split`` warps compute every head's coefficients once
       per key group (and the group's dots, ``dots`` groups per program), then programs of
@@ -1226,8 +1226,8 @@ def flush(
         b = slots.shape[0]
     read_dtype = pool.read.dtype if pool.read is not None else None
     cfg = config or default_config("flush_sketch" if sketch else "flush_replay", family, read_dtype)
-    if cfg.pipelined and not cfg.chunked and not _pipelined(cfg, family, pool):
-        cfg = SWEEP_FALLBACK  # a Gluon sweep's pool it cannot take (fp32 inputs, the CPU): Triton's sweep
+    if family == "kda" and cfg.pipelined and not cfg.chunked and not _pipelined(cfg, family, pool):
+        cfg = SWEEP_FALLBACK  # a pool the Gluon sweep cannot take (fp32 inputs, the CPU): Triton's sweep
     bv = max(_block_v(cfg, vd), CHUNK_MIN if cfg.chunked else 1)  # tl.dot needs 16 rows
     sk = pool.sketch if sketch else pool.state
     xs = x if x is not None else StepInputs(pool.buf_k, pool.buf_k, pool.buf_w, pool.buf_decay, pool.buf_beta)
