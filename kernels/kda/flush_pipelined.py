@@ -63,20 +63,18 @@ def _suffix(p1, e1, i1, p2, e2, i2):
 
 
 @gluon.jit
-def _issue(
-    state, buf_k, buf_w, buf_decay, ranks, frame_terms, item, s, n, s_smem, k_smem, w_smem, a_smem, r_smem,
+def _issue_window(
+    state, buf_k, buf_w, buf_decay, item, s, n, s_smem, k_smem, w_smem, a_smem,
     H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, C: gl.constexpr, BC: gl.constexpr,
-    LS: gl.constexpr, LB: gl.constexpr, LF: gl.constexpr, SKETCH_OUT: gl.constexpr, RT: gl.constexpr,
+    LS: gl.constexpr, LB: gl.constexpr, LF: gl.constexpr,
 ):
-    """Start the copies of work item ``item`` (slot ``s``, ``n`` buffered tokens) into shared
-    memory: its state tile [K, V], buffered keys [BC, K], values [BC, V] and decays [BC, K] (rows
-    ≥ n zero-filled; the decays' are set to 1 where they are read), and with ``SKETCH_OUT`` the
-    first 16 rows of its frame as ``RT`` bf16 terms [RT·16, K] (none for a head of rank 0). A
-    padding slot or an item past the end copies zeros."""
+    """Start the copies of work item ``item``'s window (slot ``s``, ``n`` buffered tokens) into shared
+    memory, uncommitted: its state tile [K, V] fp32, buffered keys [BC, K] bf16, values [BC, V] bf16
+    and decays [BC, K] fp32 (rows ≥ n zero-filled). A padding slot or an item past the end copies
+    zeros. Shared by both KDA Gluon flushes (this UT fold and ``flush_sweep.py``)."""
     i_h = item % H
     live = s >= 0
-    s64 = gl.where(live, s, 0).to(gl.int64)
-    head = s64 * H + i_h
+    head = gl.where(live, s, 0).to(gl.int64) * H + i_h
     o_k = gl.arange(0, K, gl.SliceLayout(1, LS))
     o_v = gl.arange(0, V, gl.SliceLayout(0, LS))
     m_s = (o_k[:, None] < gl.where(live, K, 0)) & (o_v[None, :] < V)
@@ -93,8 +91,26 @@ def _issue(
     o_kf = gl.arange(0, K, gl.SliceLayout(0, LF))
     m_a = (o_cf[:, None] < nb) & (o_kf[None, :] < K)
     _async_load(a_smem, buf_decay + head * (C * K) + (o_cf[:, None] * K + o_kf[None, :]), m_a)
+
+
+@gluon.jit
+def _issue(
+    state, buf_k, buf_w, buf_decay, ranks, frame_terms, item, s, n, s_smem, k_smem, w_smem, a_smem, r_smem,
+    H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, C: gl.constexpr, BC: gl.constexpr,
+    LS: gl.constexpr, LB: gl.constexpr, LF: gl.constexpr, SKETCH_OUT: gl.constexpr, RT: gl.constexpr,
+):
+    """Start the copies of work item ``item`` (slot ``s``, ``n`` buffered tokens) into shared
+    memory: its state tile [K, V], buffered keys [BC, K], values [BC, V] and decays [BC, K] (rows
+    ≥ n zero-filled; the decays' are set to 1 where they are read), and with ``SKETCH_OUT`` the
+    first 16 rows of its frame as ``RT`` bf16 terms [RT·16, K] (none for a head of rank 0). A
+    padding slot or an item past the end copies zeros."""
+    i_h = item % H
+    live = s >= 0
+    _issue_window(state, buf_k, buf_w, buf_decay, item, s, n, s_smem, k_smem, w_smem, a_smem, H, K, V, C, BC,
+                  LS, LB, LF)
     if SKETCH_OUT:
         sketched = live & (gl.load(ranks + i_h) > 0)
+        o_kb = gl.arange(0, K, gl.SliceLayout(0, LB))
         o_r = gl.arange(0, RT * 16, gl.SliceLayout(1, LB))
         # chunk 0 of frame i_h in frame_terms [H, ⌈K/16⌉, 3, 16, K]: its first RT·16 rows
         p_r = frame_terms + i_h * (((K + 15) // 16) * 48 * K) + (o_r[:, None] * K + o_kb[None, :])

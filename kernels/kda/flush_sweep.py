@@ -49,7 +49,7 @@ from sketchcal.kernels.common.flush_pipelined import _async_load, _barrier, _ent
 # the buffered betas and the new token's inputs, loaded one item ahead, as the UT fold loads them; here
 # the betas too go into the compact layout (loaded in the tile's layouts instead, each thread would load
 # 16 of each vector: the replay flush took 539 against 496 µs at batch 256)
-from sketchcal.kernels.kda.flush_pipelined import _small_inputs
+from sketchcal.kernels.kda.flush_pipelined import _issue_window, _small_inputs
 
 if hasattr(gl.shared_memory_descriptor, "reinterpret"):  # Triton ≥ 3.7 (the CPU machine's 3.9)
 
@@ -84,25 +84,11 @@ def _issue(
     zeros."""
     i_h = item % H
     live = s >= 0
-    head = gl.where(live, s, 0).to(gl.int64) * H + i_h
-    o_k = gl.arange(0, K, gl.SliceLayout(1, LS))
-    o_v = gl.arange(0, V, gl.SliceLayout(0, LS))
-    m_s = (o_k[:, None] < gl.where(live, K, 0)) & (o_v[None, :] < V)
-    _async_load(s_smem, state + head * (K * V) + (o_k[:, None] * V + o_v[None, :]), m_s)
-    nb = gl.where(live, n, 0)
-    o_c = gl.arange(0, BC, gl.SliceLayout(1, LB))
-    o_kb = gl.arange(0, K, gl.SliceLayout(0, LB))
-    o_vb = gl.arange(0, V, gl.SliceLayout(0, LB))
-    m_k = (o_c[:, None] < nb) & (o_kb[None, :] < K)
-    _async_load(k_smem, buf_k + head * (C * K) + (o_c[:, None] * K + o_kb[None, :]), m_k)  # G = H
-    m_w = (o_c[:, None] < nb) & (o_vb[None, :] < V)
-    _async_load(w_smem, buf_w + head * (C * V) + (o_c[:, None] * V + o_vb[None, :]), m_w)
-    o_cf = gl.arange(0, BC, gl.SliceLayout(1, LF))
-    o_kf = gl.arange(0, K, gl.SliceLayout(0, LF))
-    m_a = (o_cf[:, None] < nb) & (o_kf[None, :] < K)
-    _async_load(a_smem, buf_decay + head * (C * K) + (o_cf[:, None] * K + o_kf[None, :]), m_a)
+    _issue_window(state, buf_k, buf_w, buf_decay, item, s, n, s_smem, k_smem, w_smem, a_smem, H, K, V, C, BC,
+                  LS, LB, LF)
     if SKETCH_OUT:
         m = gl.where(live, gl.load(ranks + i_h), 0)
+        o_kf = gl.arange(0, K, gl.SliceLayout(0, LF))
         o_r = gl.arange(0, MR, gl.SliceLayout(1, LF))
         m_r = (o_r[:, None] < m) & (o_kf[None, :] < K)
         _async_load(r_smem, frames + i_h * (K * K) + (o_r[:, None] * K + o_kf[None, :]), m_r)
