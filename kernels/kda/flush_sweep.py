@@ -44,7 +44,14 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-from sketchcal.kernels.common.flush_pipelined import _async_load, _barrier, _entry, _mul, launch_persistent
+from sketchcal.kernels.common.flush_pipelined import (
+    _async_load,
+    _barrier,
+    _entry,
+    _mul,
+    _store_state,
+    launch_persistent,
+)
 
 # the buffered betas and the new token's inputs, loaded one item ahead, as the UT fold loads them; here
 # the betas too go into the compact layout (loaded in the tile's layouts instead, each thread would load
@@ -242,13 +249,7 @@ def _flush_kda_sweep_kernel(
             else:
                 S = S * f[:, None]
             base = head * (K * V)
-            gl.store(state + base + offs, S)
-            if HAS_READ:
-                if ROWS:
-                    if gl.load(read_rows + i_h) > 0:
-                        gl.store(rd + base + offs, S.to(rd.dtype.element_ty))
-                else:
-                    gl.store(rd + base + offs, S.to(rd.dtype.element_ty))
+            _store_state(S, state + base, rd + base, read_rows, offs, i_h, HAS_READ, ROWS)
             if SKETCH_OUT:
                 # R_{:m} S on the FMA units (fp32 products), four rows of R at a time (four independent
                 # reductions), the first MR from shared memory, the rest from global memory (row
