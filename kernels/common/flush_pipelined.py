@@ -166,14 +166,14 @@ def _sketch_rows(St, b1, b2, b3, p_sk, r0, m, V: gl.constexpr, MMA: gl.constexpr
 
 
 @gluon.jit
-def _store_state(tile, state, rd, read_rows, offs, i_h, HAS_READ: gl.constexpr, ROWS: gl.constexpr):
+def _store_state(tile, state, rd, dense, offs, HAS_READ: gl.constexpr, ROWS: gl.constexpr):
     """A folded head's state tile at ``state + offs`` (``offs`` in the tile's layout) and, with
-    ``HAS_READ``, its read copy at ``rd + offs`` (``ROWS``: only for a dense head, ``read_rows[i_h]``
-    > 0): shared by the Gluon flushes."""
+    ``HAS_READ``, its read copy at ``rd + offs`` (``ROWS``: only for a dense head, ``dense`` =
+    ``read_rows[head]`` > 0, loaded by the caller): shared by the Gluon flushes."""
     gl.store(state + offs, tile)
     if HAS_READ:
         if ROWS:
-            if gl.load(read_rows + i_h) > 0:
+            if dense > 0:
                 gl.store(rd + offs, tile.to(rd.dtype.element_ty))
         else:
             gl.store(rd + offs, tile.to(rd.dtype.element_ty))
@@ -196,7 +196,10 @@ def _store_folded(
     o_ks = gl.arange(0, K, gl.SliceLayout(1, LS))
     o_vs = gl.arange(0, V, gl.SliceLayout(0, LS))
     offs = o_ks[:, None] * V + o_vs[None, :]
-    _store_state(tile, state + head, rd + head, read_rows, offs, i_h, HAS_READ, ROWS)
+    dense = i_h * 0
+    if ROWS:
+        dense = gl.load(read_rows + i_h)
+    _store_state(tile, state + head, rd + head, dense, offs, HAS_READ, ROWS)
     if SKETCH_OUT:
         m = gl.load(ranks + i_h)
         if m > 0:  # rows 0-15: their terms were copied with the item's tiles

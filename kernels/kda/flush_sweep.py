@@ -26,12 +26,14 @@ Then the flush's new token, the state store, the read copy (replay: every head; 
 heads) and the sketch ``R_{:m} S`` (exact fp32 products of R's rows, on the FMA units, as the
 Triton sweep writes it).
 
-Speed (BENCHMARKS.md, twelfth session): KDA's default flush. On the H200 at batch 256 it takes 601
-against 629 µs for Triton's sweep in sketch mode, and 491 against 600 µs in replay mode, at one
-program of 8 warps per SM (202 registers; two programs per SM at 128 registers, 16 warps of 8
-columns, and tokens taken in pairs were all slower). Nsight Compute puts it at 0.43 issued
-instructions per scheduler: the phases of a head (coefficients, sweep, new token, stores, sketch)
-are chains of dependent steps that its 8 warps run in lockstep.
+Speed (BENCHMARKS.md, twelfth and thirteenth sessions): KDA's default flush. On the H200 at batch
+256 it takes 587 against 627 µs for Triton's sweep in sketch mode, and 493 against 600 µs in replay
+mode, at one program of 8 warps per SM (two programs per SM at 128 registers, 16 warps of 8 columns,
+tokens taken in pairs, and the new token folded into the sweep were all slower). By Nsight Compute's
+warp samples (run 79) a head's time goes about 40% to the sweep, 20% to the coefficients, the copy
+issue and the tile's read from shared memory, 20% to the new token and the stores, and 18% to the
+sketch rows; 0.5 instructions issue per scheduler per cycle, because the 8 warps run these chains of
+dependent steps in lockstep, two per scheduler.
 
 Gluon kernels cannot run in the CPU interpreter: the ``gpu`` tests hold this kernel to the float64
 reference (``decode.flush`` chooses it with ``KernelConfig(chunked=False, pipelined=N)``).
@@ -79,8 +81,24 @@ HUGE = gl.constexpr(2.0**64)
 
 
 @gluon.jit
+def _head_flags(ranks, read_rows, item, H: gl.constexpr, SKETCH_OUT: gl.constexpr, ROWS: gl.constexpr):
+    """Work item ``item``'s head's rank m (with ``SKETCH_OUT``; else 0) and read-copy flag
+    ``read_rows[head]`` (with ``ROWS``; else 0), loaded an item ahead. Volatile, because a plain load
+    of read-only memory is sunk to its first use: there, behind the head's 64 KB of state stores, each
+    was a round trip to global memory on the critical path (run 79: ~6% of the sketch flush)."""
+    i_h = item % H
+    m = i_h * 0
+    dense = i_h * 0
+    if SKETCH_OUT:
+        m = gl.load(ranks + i_h, volatile=True)
+    if ROWS:
+        dense = gl.load(read_rows + i_h, volatile=True)
+    return m, dense
+
+
+@gluon.jit
 def _issue(
-    state, buf_k, buf_w, buf_decay, ranks, frames, item, s, n, s_smem, k_smem, a_smem, w_smem, r_smem,
+    state, buf_k, buf_w, buf_decay, m, frames, item, s, n, s_smem, k_smem, a_smem, w_smem, r_smem,
     H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, C: gl.constexpr, BC: gl.constexpr, MR: gl.constexpr,
     LS: gl.constexpr, LB: gl.constexpr, LF: gl.constexpr, SKETCH_OUT: gl.constexpr,
 ):
@@ -94,7 +112,7 @@ def _issue(
     _issue_window(state, buf_k, buf_w, buf_decay, item, s, n, s_smem, k_smem, w_smem, a_smem, H, K, V, C, BC,
                   LS, LB, LF)
     if SKETCH_OUT:
-        m = gl.where(live, gl.load(ranks + i_h), 0)
+        m = gl.where(live, m, 0)
         o_kf = gl.arange(0, K, gl.SliceLayout(0, LF))
         o_r = gl.arange(0, MR, gl.SliceLayout(1, LF))
         m_r = (o_r[:, None] < m) & (o_kf[None, :] < K)
@@ -195,11 +213,13 @@ def _flush_kda_sweep_kernel(
     o_v = gl.arange(0, V, COL)
     offs = o_k[:, None] * V + o_v[None, :]
     s_c, n_c = _entry(slots, pos, pid, n_items, H)
-    _issue(state, buf_k, buf_w, buf_decay, ranks, frames, pid, s_c, n_c, s_smem, k_smem, a_smem, w_smem,
+    m_c, r_c = _head_flags(ranks, read_rows, pid, H, SKETCH_OUT, ROWS)
+    _issue(state, buf_k, buf_w, buf_decay, m_c, frames, pid, s_c, n_c, s_smem, k_smem, a_smem, w_smem,
            r_smem, H, K, V, C, BC, MR, LS, LB, LF, SKETCH_OUT)
     bt, kk, qq, dd, ww, sw, bx = _small_inputs(k, q, w, decay, beta, skip, buf_beta, pid, s_c, n_c, H, K, V,
                                                C, BC, L1, L1, HAS_X, HAS_SKIP)
     s_n, n_n = _entry(slots, pos, pid + progs, n_items, H)
+    m_n, r_n = _head_flags(ranks, read_rows, pid + progs, H, SKETCH_OUT, ROWS)
     for item in range(pid, n_items, progs):
         i_b = item // H
         i_h = item % H
@@ -211,12 +231,13 @@ def _flush_kda_sweep_kernel(
         _barrier()
         # the next head's copies run while this one is swept and stored
         nxt = item + progs
-        _issue(state, buf_k, buf_w, buf_decay, ranks, frames, nxt, s_n, n_n, s_smem, k_smem, a_smem, w_smem,
+        _issue(state, buf_k, buf_w, buf_decay, m_n, frames, nxt, s_n, n_n, s_smem, k_smem, a_smem, w_smem,
                r_smem, H, K, V, C, BC, MR, LS, LB, LF, SKETCH_OUT)
         nxt = gl.where(nxt < n_items, nxt, 0)
         bt_n, kk_n, qq_n, dd_n, ww_n, sw_n, bx_n = _small_inputs(
             k, q, w, decay, beta, skip, buf_beta, nxt, s_n, n_n, H, K, V, C, BC, L1, L1, HAS_X, HAS_SKIP)
         s_nn, n_nn = _entry(slots, pos, item + 2 * progs, n_items, H)
+        m_nn, r_nn = _head_flags(ranks, read_rows, item + 2 * progs, H, SKETCH_OUT, ROWS)
         if s_c >= 0:
             head = s_c.to(gl.int64) * H + i_h
             if fast:
@@ -249,12 +270,12 @@ def _flush_kda_sweep_kernel(
             else:
                 S = S * f[:, None]
             base = head * (K * V)
-            _store_state(S, state + base, rd + base, read_rows, offs, i_h, HAS_READ, ROWS)
+            _store_state(S, state + base, rd + base, r_c, offs, HAS_READ, ROWS)
             if SKETCH_OUT:
                 # R_{:m} S on the FMA units (fp32 products), four rows of R at a time (four independent
                 # reductions), the first MR from shared memory, the rest from global memory (row
                 # r + 1 loaded while row r is applied)
-                m = gl.load(ranks + i_h)
+                m = m_c
                 sk_h = sk + head * sk_head_stride + o_v[None, :]  # [1, V]
                 for r in range(0, gl.minimum(m, MR), 4):
                     for i in gl.static_range(4):
@@ -269,6 +290,7 @@ def _flush_kda_sweep_kernel(
                     gl.store(sk_h + r * V, x.to(sk.dtype.element_ty))
                     rrow = rnext
         s_c, n_c, s_n, n_n = s_n, n_n, s_nn, n_nn
+        m_c, m_n, r_c, r_n = m_n, m_nn, r_n, r_nn
         bt, kk, qq, dd, ww, sw, bx = bt_n, kk_n, qq_n, dd_n, ww_n, sw_n, bx_n
     async_copy.wait_group(0)
 

@@ -737,6 +737,34 @@ def test_pipelined_kda_flush_tiny_and_zero_decays_gpu(config):
 
 
 @pytest.mark.gpu
+def test_kda_sweep_flush_new_token_tiny_decays_gpu():
+    """The deferred-decay sweep multiplies the flush's new token's decay into the window's final scale:
+    a tiny one after a window of 0.1s (products down to 1e-46, below fp32's normals), an exact zero
+    on one channel, and a small one after a window of 0.5s must still give the reference, states and
+    outputs; a slot with no buffered token too."""
+    h, g, kd, vd = GPU_SHAPES["kda"]
+    gen = torch.Generator().manual_seed(13)
+    pool = random_pool("kda", 4, h, g, kd, vd, capacity=16, device="cuda", generator=gen)
+    assert decode._pipelined(KDA_SWEEP[0], "kda", pool)
+    x = random_inputs("kda", 4, 1, h, g, kd, vd, device="cuda", generator=gen)
+    pool.buf_decay[0] = 0.1
+    x.decay[0] = 1e-30
+    x.decay[1, ..., 3] = 0.0
+    pool.buf_decay[2] = 0.5
+    x.decay[2] = 1e-3
+    slots = torch.tensor([0, 1, 2, 3], dtype=torch.int32, device="cuda")
+    pos = torch.tensor([16, 12, 16, 0], dtype=torch.int32, device="cuda")
+    got, want = pool.clone(), pool.clone()
+    out = torch.full_like(x.w, float("nan"))
+    decode.flush("kda", got, slots, pos, x, out, config=KDA_SWEEP[0])
+    o_want = ref.flush("kda", want, slots, pos, x)
+    assert torch.isfinite(got.state).all()
+    for s in range(4):
+        assert _rel(got.state[s], want.state[s]) <= 1e-6, s
+        assert _rel(out[s].float(), o_want[s].float()) <= 1e-2, s
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("capacity", [16, 11])
 @pytest.mark.parametrize("op", ["flush", "flush_sketch"])
 def test_pipelined_kda_flush_many_heads_per_program_gpu(op, capacity):
