@@ -27,7 +27,7 @@ heads) and the sketch ``R_{:m} S`` (exact fp32 products of R's rows, on the FMA 
 Triton sweep writes it).
 
 Speed (BENCHMARKS.md, twelfth and thirteenth sessions): KDA's default flush. On the H200 at batch
-256 it takes 587 against 627 µs for Triton's sweep in sketch mode, and 493 against 600 µs in replay
+256 it takes 587 against 627 µs for Triton's sweep in sketch mode, and 493 against 606 µs in replay
 mode, at one program of 8 warps per SM (two programs per SM at 128 registers, 16 warps of 8 columns,
 tokens taken in pairs, and the new token folded into the sweep were all slower). By Nsight Compute's
 warp samples (run 79) a head's time goes about 40% to the sweep, 20% to the coefficients, the copy
@@ -105,8 +105,8 @@ def _issue(
     """Start the copies of work item ``item`` (slot ``s``, ``n`` buffered tokens) into shared
     memory: its state tile [K, V] fp32, buffered keys [BC, K] bf16, decays [BC, K] fp32 and values
     [BC, V] bf16 (rows ≥ n zero-filled), and with ``SKETCH_OUT`` the first ``MR`` rows of its frame
-    R [MR, K] fp32 (rows ≥ its rank zero-filled). A padding slot or an item past the end copies
-    zeros."""
+    R [MR, K] fp32 (rows ≥ its rank ``m`` zero-filled). A padding slot or an item past the end
+    copies zeros."""
     i_h = item % H
     live = s >= 0
     _issue_window(state, buf_k, buf_w, buf_decay, item, s, n, s_smem, k_smem, w_smem, a_smem, H, K, V, C, BC,
