@@ -152,10 +152,10 @@ class KernelConfig:
 # batch 256 among ``bench.TUNE_CANDIDATES`` (BENCHMARKS.md, "Decode kernels"), checked there by the
 # ``gpu`` tests with exactly these shapes. The token-by-token forms won everywhere but the Mamba-2
 # flushes (on tensor cores, the persistent Gluon kernel of flush_pipelined: 3 programs per SM at 168
-# registers); KDA's flushes are token by token in a persistent Gluon kernel (kda/flush_sweep.py: one
-# program of 8 warps per SM). Mamba-2's sketch read of one token is the split form of read_split
-# (its spec_verify reads, the one-kernel form with the other fields). ``bench.run_bench(tune=True)``
-# re-picks them on another device.
+# registers); KDA's flushes are token by token in a persistent Gluon kernel (kda/flush_sweep.py: half
+# a head per program of 4 warps, 3 programs per SM at 168 registers). Mamba-2's sketch read of one
+# token is the split form of read_split (its spec_verify reads, the one-kernel form with the other
+# fields). ``bench.run_bench(tune=True)`` re-picks them on another device.
 DEFAULT_CONFIGS: dict[tuple[str, str], KernelConfig] = {
     ("standard", "mamba2"): KernelConfig(64, 4),
     ("standard", "gdn"): KernelConfig(64, 4),
@@ -172,10 +172,10 @@ DEFAULT_CONFIGS: dict[tuple[str, str], KernelConfig] = {
     ("sketch", "kda"): KernelConfig(128, 1, maxnreg=64, group=2, dense_rows=16, early_map=False),
     ("flush_replay", "mamba2"): KernelConfig(64, 4, maxnreg=168, pipelined=3),
     ("flush_replay", "gdn"): KernelConfig(16, 1, chunked=False, vec=2, prefetch=True),
-    ("flush_replay", "kda"): KernelConfig(128, 8, chunked=False, pipelined=1),
+    ("flush_replay", "kda"): KernelConfig(64, 4, chunked=False, maxnreg=168, pipelined=3),
     ("flush_sketch", "mamba2"): KernelConfig(64, 4, maxnreg=168, pipelined=3),
     ("flush_sketch", "gdn"): KernelConfig(16, 1, chunked=False, vec=2, prefetch=True),
-    ("flush_sketch", "kda"): KernelConfig(128, 8, chunked=False, pipelined=1),
+    ("flush_sketch", "kda"): KernelConfig(64, 4, chunked=False, maxnreg=168, pipelined=3),
 }
 
 # The token-by-token flush a pool takes where a config asks for KDA's Gluon sweep and the pool's

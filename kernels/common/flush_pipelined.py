@@ -335,12 +335,12 @@ def persistent_grid(n_items: int, per_sm: int, device: torch.device) -> tuple[in
 
 
 def launch_persistent(kernel, args: tuple, frame_terms: torch.Tensor, *, batch: int, per_sm: int,
-                      num_warps: int, maxnreg: int = 0, **constexprs) -> None:
+                      num_warps: int, maxnreg: int = 0, parts: int = 1, **constexprs) -> None:
     """Launch a persistent Gluon flush ``kernel`` on ``per_sm`` programs per SM (:func:`persistent_grid`)
-    over its ``batch`` × H work items: ``args`` are the chunked flush's arguments (``decode.flush``),
-    then ``frame_terms`` (``SketchTables.frame_terms``; any tensor when not ``SKETCH_OUT``) and the
-    item count; ``constexprs`` the kernel's (H among them)."""
-    n_items = batch * constexprs["H"]
+    over its ``batch`` × H × ``parts`` work items (``parts`` per head): ``args`` are the chunked
+    flush's arguments (``decode.flush``), then ``frame_terms`` (``SketchTables.frame_terms``; any
+    tensor when not ``SKETCH_OUT``) and the item count; ``constexprs`` the kernel's (H among them)."""
+    n_items = batch * constexprs["H"] * parts
     options = {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})}
     grid = persistent_grid(n_items, per_sm, args[0].device)
     kernel[grid](*args, frame_terms, n_items, **constexprs, **options)

@@ -64,29 +64,30 @@ def _suffix(p1, e1, i1, p2, e2, i2):
 
 @gluon.jit
 def _issue_window(
-    state, buf_k, buf_w, buf_decay, item, s, n, s_smem, k_smem, w_smem, a_smem,
+    state, buf_k, buf_w, buf_decay, item, s, n, s_smem, k_smem, w_smem, a_smem, v0,
     H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, C: gl.constexpr, BC: gl.constexpr,
-    LS: gl.constexpr, LB: gl.constexpr, LF: gl.constexpr,
+    LS: gl.constexpr, LB: gl.constexpr, LF: gl.constexpr, VT: gl.constexpr,
 ):
-    """Start the copies of work item ``item``'s window (slot ``s``, ``n`` buffered tokens) into shared
-    memory, uncommitted: its state tile [K, V] fp32, buffered keys [BC, K] bf16, values [BC, V] bf16
-    and decays [BC, K] fp32 (rows ≥ n zero-filled). A padding slot or an item past the end copies
-    zeros. Shared by both KDA Gluon flushes (this UT fold and ``flush_sweep.py``)."""
+    """Start the copies of head item ``item``'s window (slot ``s``, ``n`` buffered tokens) into
+    shared memory, uncommitted: value columns ``v0 … v0 + VT`` of its state tile ([K, VT] fp32) and
+    buffered values ([BC, VT] bf16), and its buffered keys [BC, K] bf16 and decays [BC, K] fp32
+    (rows ≥ n zero-filled). A padding slot or an item past the end copies zeros. Shared by both KDA
+    Gluon flushes (this UT fold, whole heads: ``v0`` = 0, VT = V; and ``flush_sweep.py``)."""
     i_h = item % H
     live = s >= 0
     head = gl.where(live, s, 0).to(gl.int64) * H + i_h
     o_k = gl.arange(0, K, gl.SliceLayout(1, LS))
-    o_v = gl.arange(0, V, gl.SliceLayout(0, LS))
-    m_s = (o_k[:, None] < gl.where(live, K, 0)) & (o_v[None, :] < V)
-    _async_load(s_smem, state + head * (K * V) + (o_k[:, None] * V + o_v[None, :]), m_s)
+    o_v = gl.arange(0, VT, gl.SliceLayout(0, LS))
+    m_s = (o_k[:, None] < gl.where(live, K, 0)) & (o_v[None, :] < VT)
+    _async_load(s_smem, state + head * (K * V) + v0 + (o_k[:, None] * V + o_v[None, :]), m_s)
     nb = gl.where(live, n, 0)
     o_c = gl.arange(0, BC, gl.SliceLayout(1, LB))
     o_kb = gl.arange(0, K, gl.SliceLayout(0, LB))
-    o_vb = gl.arange(0, V, gl.SliceLayout(0, LB))
+    o_vb = gl.arange(0, VT, gl.SliceLayout(0, LB))
     m_k = (o_c[:, None] < nb) & (o_kb[None, :] < K)
     _async_load(k_smem, buf_k + head * (C * K) + (o_c[:, None] * K + o_kb[None, :]), m_k)  # G = H
-    m_w = (o_c[:, None] < nb) & (o_vb[None, :] < V)
-    _async_load(w_smem, buf_w + head * (C * V) + (o_c[:, None] * V + o_vb[None, :]), m_w)
+    m_w = (o_c[:, None] < nb) & (o_vb[None, :] < VT)
+    _async_load(w_smem, buf_w + head * (C * V) + v0 + (o_c[:, None] * V + o_vb[None, :]), m_w)
     o_cf = gl.arange(0, BC, gl.SliceLayout(1, LF))
     o_kf = gl.arange(0, K, gl.SliceLayout(0, LF))
     m_a = (o_cf[:, None] < nb) & (o_kf[None, :] < K)
@@ -106,8 +107,8 @@ def _issue(
     padding slot or an item past the end copies zeros."""
     i_h = item % H
     live = s >= 0
-    _issue_window(state, buf_k, buf_w, buf_decay, item, s, n, s_smem, k_smem, w_smem, a_smem, H, K, V, C, BC,
-                  LS, LB, LF)
+    _issue_window(state, buf_k, buf_w, buf_decay, item, s, n, s_smem, k_smem, w_smem, a_smem, 0, H, K, V, C,
+                  BC, LS, LB, LF, V)
     if SKETCH_OUT:
         sketched = live & (gl.load(ranks + i_h) > 0)
         o_kb = gl.arange(0, K, gl.SliceLayout(0, LB))
@@ -121,13 +122,13 @@ def _issue(
 
 @gluon.jit
 def _small_inputs(
-    k, q, w, decay, beta, skip, buf_beta, item, s, n, H: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
+    k, q, w, decay, beta, skip, buf_beta, item, s, n, v0, H: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
     C: gl.constexpr, BC: gl.constexpr, L1: gl.constexpr, LBT: gl.constexpr, HAS_X: gl.constexpr,
-    HAS_SKIP: gl.constexpr,
+    HAS_SKIP: gl.constexpr, VT: gl.constexpr,
 ):
-    """Work item ``item``'s small inputs, loaded one item ahead: the buffered betas [BC] (0 past
+    """Head item ``item``'s small inputs, loaded one item ahead: the buffered betas [BC] (0 past
     n, in ``LBT``: every thread holds all of them) and with ``HAS_X`` the new token's key, query and
-    decay [K], value and skip [V] (``L1``) and beta."""
+    decay [K], value columns ``v0 … v0 + VT`` of its value and skip [VT] (``L1``) and beta."""
     i_b = item // H
     i_h = item % H
     live_s = s >= 0
@@ -135,15 +136,15 @@ def _small_inputs(
     hb = (gl.where(live_s, s, 0).to(gl.int64) * H + i_h) * C
     bt = gl.load(buf_beta + hb + o_c, mask=o_c < gl.where(live_s, n, 0), other=0.0)
     o_k = gl.arange(0, K, L1)
-    o_v = gl.arange(0, V, L1)
+    o_v = gl.arange(0, VT, L1)
     live = live_s & HAS_X
     xk = (i_b * H + i_h) * K  # G = H
-    xw = (i_b * H + i_h) * V
+    xw = (i_b * H + i_h) * V + v0
     kk = gl.load(k + xk + o_k, mask=live & (o_k < K), other=0.0)
     qq = gl.load(q + xk + o_k, mask=live & (o_k < K), other=0.0)
     dd = gl.load(decay + xk + o_k, mask=live & (o_k < K), other=1.0)
-    ww = gl.load(w + xw + o_v, mask=live & (o_v < V), other=0.0)
-    sw = gl.load(skip + xw + o_v, mask=live & HAS_SKIP & (o_v < V), other=0.0)
+    ww = gl.load(w + xw + o_v, mask=live & (o_v < VT), other=0.0)
+    sw = gl.load(skip + xw + o_v, mask=live & HAS_SKIP & (o_v < VT), other=0.0)
     bx = gl.load(beta + i_b * H + i_h, mask=live, other=0.0)
     return bt, kk, qq, dd, ww, sw, bx
 
@@ -281,8 +282,8 @@ def _flush_kda_kernel(
     s_c, n_c = _entry(slots, pos, pid, n_items, H)
     _issue(state, buf_k, buf_w, buf_decay, ranks, frame_terms, pid, s_c, n_c, s_smem, k_ring.index(0),
            w_ring.index(0), a_ring.index(0), r_next, H, K, V, C, BC, LS, LB, LF, SKETCH_OUT, RT)
-    bt, kk, qq, dd, ww, sw, bx = _small_inputs(k, q, w, decay, beta, skip, buf_beta, pid, s_c, n_c, H, K, V,
-                                               C, BC, L1, LBT, HAS_X, HAS_SKIP)
+    bt, kk, qq, dd, ww, sw, bx = _small_inputs(k, q, w, decay, beta, skip, buf_beta, pid, s_c, n_c, 0, H, K,
+                                               V, C, BC, L1, LBT, HAS_X, HAS_SKIP, V)
     s_n, n_n = _entry(slots, pos, pid + progs, n_items, H)
     cur = 0  # this item's slot of the rings
     for item in range(pid, n_items, progs):
@@ -301,7 +302,8 @@ def _flush_kda_kernel(
                H, K, V, C, BC, LS, LB, LF, SKETCH_OUT, RT)
         nxt = gl.where(nxt < n_items, nxt, 0)
         bt_n, kk_n, qq_n, dd_n, ww_n, sw_n, bx_n = _small_inputs(
-            k, q, w, decay, beta, skip, buf_beta, nxt, s_n, n_n, H, K, V, C, BC, L1, LBT, HAS_X, HAS_SKIP)
+            k, q, w, decay, beta, skip, buf_beta, nxt, s_n, n_n, 0, H, K, V, C, BC, L1, LBT, HAS_X, HAS_SKIP,
+            V)
         s_nn, n_nn = _entry(slots, pos, item + 2 * progs, n_items, H)
         if s_c >= 0:
             s64 = s_c.to(gl.int64)

@@ -5,9 +5,10 @@ Triton's sweep (``decode._flush_kernel``) runs one program per [K, 16] tile and 
 operations per state element per buffered token: the decay ``S ← Diag(α_j) S``, the dot ``kᵀ S`` and
 the rank-1 update. Every program also rebuilds each token's per-channel terms (keys, decays) for its
 own tile, and no load is in flight while it computes (BENCHMARKS.md). Here a program of
-``num_warps`` warps takes whole heads (work item = batch row × H + head; each warp a band of 16
-value columns), walking ``pid, pid + programs, …``: while one head is swept, the next head's state
-tile, buffered keys, decays and values are copied into shared memory (``cp.async``).
+``num_warps`` warps takes a run of work items, ``pid, pid + programs, …``; a work item is
+16 · num_warps value columns of one head (all of them at 8 warps, half a head at 4), each warp a
+band of 16 columns. While one item is swept, the next item's state tile, buffered keys, decays and
+values are copied into shared memory (``cp.async``).
 
 The math: with ``c_j = α_0 ⊙ ⋯ ⊙ α_j`` (per channel, running products) the head's state is held as
 ``S = Diag(c) Ŝ``, and token j (``w_j = β_j v_j``) costs two operations per element:
@@ -26,14 +27,16 @@ Then the flush's new token, the state store, the read copy (replay: every head; 
 heads) and the sketch ``R_{:m} S`` (exact fp32 products of R's rows, on the FMA units, as the
 Triton sweep writes it).
 
-Speed (BENCHMARKS.md, twelfth and thirteenth sessions): KDA's default flush. On the H200 at batch
-256 it takes 587 against 627 µs for Triton's sweep in sketch mode, and 493 against 606 µs in replay
-mode, at one program of 8 warps per SM (two programs per SM at 128 registers, 16 warps of 8 columns,
-tokens taken in pairs, and the new token folded into the sweep were all slower). By Nsight Compute's
-warp samples (run 79) a head's time goes about 40% to the sweep, 20% to the coefficients, the copy
-issue and the tile's read from shared memory, 20% to the new token and the stores, and 18% to the
-sketch rows; 0.5 instructions issue per scheduler per cycle, because the 8 warps run these chains of
-dependent steps in lockstep, two per scheduler.
+Speed (BENCHMARKS.md, twelfth to fourteenth sessions): KDA's default flush, at half a head per
+program of 4 warps and three programs per SM (168 registers), so that the phases of one program
+(coefficients, sweep, stores, sketch) overlap those of the other two. On the H200 at batch 256 it
+takes 535 µs in sketch mode and 463 µs in replay mode (run 85), against 587 and 494 µs for a whole
+head per program of 8 warps, one per SM, and 630 and 608 µs for Triton's sweep. Within one
+8-warp program the warps ran the head's chains of dependent steps in lockstep, and 0.5
+instructions issued per scheduler per cycle (run 79: about 40% of the time in the sweep, 20% in
+the coefficients, the copy issue and the tile's read, 20% in the new token and the stores, 18% in
+the sketch rows). Quarter heads (2 warps, four programs per SM) repeat the per-item work too often:
+630 µs.
 
 Gluon kernels cannot run in the CPU interpreter: the ``gpu`` tests hold this kernel to the float64
 reference (``decode.flush`` chooses it with ``KernelConfig(chunked=False, pipelined=N)``).
@@ -100,17 +103,18 @@ def _head_flags(ranks, read_rows, item, H: gl.constexpr, SKETCH_OUT: gl.constexp
 def _issue(
     state, buf_k, buf_w, buf_decay, m, frames, item, s, n, s_smem, k_smem, a_smem, w_smem, r_smem,
     H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, C: gl.constexpr, BC: gl.constexpr, MR: gl.constexpr,
-    LS: gl.constexpr, LB: gl.constexpr, LF: gl.constexpr, SKETCH_OUT: gl.constexpr,
+    LS: gl.constexpr, LB: gl.constexpr, LF: gl.constexpr, SKETCH_OUT: gl.constexpr, VB: gl.constexpr,
 ):
-    """Start the copies of work item ``item`` (slot ``s``, ``n`` buffered tokens) into shared
-    memory: its state tile [K, V] fp32, buffered keys [BC, K] bf16, decays [BC, K] fp32 and values
-    [BC, V] bf16 (rows ≥ n zero-filled), and with ``SKETCH_OUT`` the first ``MR`` rows of its frame
-    R [MR, K] fp32 (rows ≥ its rank ``m`` zero-filled). A padding slot or an item past the end
-    copies zeros."""
-    i_h = item % H
+    """Start the copies of work item ``item`` (value columns ``VB · (item % (V / VB))`` onwards of a
+    head item; slot ``s``, ``n`` buffered tokens) into shared memory: its state tile [K, VB] fp32,
+    buffered keys [BC, K] bf16, decays [BC, K] fp32 and values [BC, VB] bf16 (rows ≥ n
+    zero-filled), and with ``SKETCH_OUT`` the first ``MR`` rows of its frame R [MR, K] fp32 (rows ≥
+    its rank ``m`` zero-filled). A padding slot or an item past the end copies zeros."""
+    NV: gl.constexpr = V // VB
+    i_h = (item // NV) % H
     live = s >= 0
-    _issue_window(state, buf_k, buf_w, buf_decay, item, s, n, s_smem, k_smem, w_smem, a_smem, H, K, V, C, BC,
-                  LS, LB, LF)
+    _issue_window(state, buf_k, buf_w, buf_decay, item // NV, s, n, s_smem, k_smem, w_smem, a_smem,
+                  (item % NV) * VB, H, K, V, C, BC, LS, LB, LF, VB)
     if SKETCH_OUT:
         m = gl.where(live, m, 0)
         o_kf = gl.arange(0, K, gl.SliceLayout(0, LF))
@@ -164,10 +168,14 @@ def _flush_kda_sweep_kernel(
 ):
     """The flush over ``n_items`` work items (see the module docstring); the arguments are the
     chunked flush's (the sketch reads R from ``frames`` [H, K, K] fp32), then ``frame_terms``
-    (unused) and the item count. BC is 16; V is 16 per warp; K a multiple of 32; the first MR (a
+    (unused) and the item count. A work item is ``VB`` = 16 · num_warps value columns of one head
+    (item = (batch row × H + head) × V / VB + part); BC is 16; K a multiple of 32; the first MR (a
     multiple of 4) rows of each head's frame are copied with its tiles, rows past MR are read from
     global memory."""
     WARPS: gl.constexpr = gl.num_warps()
+    VB: gl.constexpr = 16 * WARPS  # value columns per item
+    NV: gl.constexpr = V // VB  # items per head
+    HV: gl.constexpr = H * NV  # items per batch row
     TR: gl.constexpr = 16 // WARPS if WARPS < 16 else 1  # lanes along the 16 rows of a [16, *] copy
     # the state tile [K, V]: each warp 16 value columns, a thread 4 of them on 4 runs of 4 key rows
     # (4 lanes along V, 8 along K): the k·S reduction is 16 values in the thread, then 3 shuffles
@@ -187,18 +195,18 @@ def _flush_kda_sweep_kernel(
     SS: gl.constexpr = gl.SwizzledSharedLayout(4, 4, 8, order=[1, 0])
     SP: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
     SP1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-    s_smem = gl.allocate_shared_memory(gl.float32, [K, V], SS)
+    s_smem = gl.allocate_shared_memory(gl.float32, [K, VB], SS)
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [BC, K], SP)
     a_smem = gl.allocate_shared_memory(gl.float32, [BC, K], SP)
-    w_smem = gl.allocate_shared_memory(gl.bfloat16, [BC, V], SP)
-    w_cur = gl.allocate_shared_memory(gl.bfloat16, [BC, V], SP)  # this item's, while the next's arrive
+    w_smem = gl.allocate_shared_memory(gl.bfloat16, [BC, VB], SP)
+    w_cur = gl.allocate_shared_memory(gl.bfloat16, [BC, VB], SP)  # this item's, while the next's arrive
     dot_smem = gl.allocate_shared_memory(gl.float32, [BC, K], SP)
     upd_smem = gl.allocate_shared_memory(gl.float32, [BC, K], SP)
     scale_smem = gl.allocate_shared_memory(gl.float32, [K], SP1)
     # the same planes as [BC, 1, K], for reads of one token's row ([1, K]) at a dynamic index
     dot_rows = _rows(dot_smem, BC, K, SP)
     upd_rows = _rows(upd_smem, BC, K, SP)
-    w_rows = _rows(w_cur, BC, V, SP)
+    w_rows = _rows(w_cur, BC, VB, SP)
     if SKETCH_OUT:  # the frame's first MR rows: the copy buffer, and this item's
         r_smem = gl.allocate_shared_memory(gl.float32, [MR, K], SP)
         r_cur = gl.allocate_shared_memory(gl.float32, [MR, K], SP)
@@ -210,19 +218,20 @@ def _flush_kda_sweep_kernel(
     pid = gl.program_id(0)
     progs = gl.num_programs(0)
     o_k = gl.arange(0, K, ROW)
-    o_v = gl.arange(0, V, COL)
+    o_v = gl.arange(0, VB, COL)
     offs = o_k[:, None] * V + o_v[None, :]
-    s_c, n_c = _entry(slots, pos, pid, n_items, H)
-    m_c, r_c = _head_flags(ranks, read_rows, pid, H, SKETCH_OUT, ROWS)
+    s_c, n_c = _entry(slots, pos, pid, n_items, HV)
+    m_c, r_c = _head_flags(ranks, read_rows, pid // NV, H, SKETCH_OUT, ROWS)
     _issue(state, buf_k, buf_w, buf_decay, m_c, frames, pid, s_c, n_c, s_smem, k_smem, a_smem, w_smem,
-           r_smem, H, K, V, C, BC, MR, LS, LB, LF, SKETCH_OUT)
-    bt, kk, qq, dd, ww, sw, bx = _small_inputs(k, q, w, decay, beta, skip, buf_beta, pid, s_c, n_c, H, K, V,
-                                               C, BC, L1, L1, HAS_X, HAS_SKIP)
-    s_n, n_n = _entry(slots, pos, pid + progs, n_items, H)
-    m_n, r_n = _head_flags(ranks, read_rows, pid + progs, H, SKETCH_OUT, ROWS)
+           r_smem, H, K, V, C, BC, MR, LS, LB, LF, SKETCH_OUT, VB)
+    bt, kk, qq, dd, ww, sw, bx = _small_inputs(k, q, w, decay, beta, skip, buf_beta, pid // NV, s_c, n_c,
+                                               (pid % NV) * VB, H, K, V, C, BC, L1, L1, HAS_X, HAS_SKIP, VB)
+    s_n, n_n = _entry(slots, pos, pid + progs, n_items, HV)
+    m_n, r_n = _head_flags(ranks, read_rows, (pid + progs) // NV, H, SKETCH_OUT, ROWS)
     for item in range(pid, n_items, progs):
-        i_b = item // H
-        i_h = item % H
+        i_b = item // HV
+        i_h = (item // NV) % H
+        v0 = (item % NV) * VB  # the item's first value column
         async_copy.wait_group(0)
         _barrier()  # (also: every thread is past the previous item's sweep)
         fast = _coefficients(a_smem, k_smem, w_smem, r_smem, bt, n_c, dot_smem, upd_smem, scale_smem, w_cur,
@@ -232,12 +241,13 @@ def _flush_kda_sweep_kernel(
         # the next head's copies run while this one is swept and stored
         nxt = item + progs
         _issue(state, buf_k, buf_w, buf_decay, m_n, frames, nxt, s_n, n_n, s_smem, k_smem, a_smem, w_smem,
-               r_smem, H, K, V, C, BC, MR, LS, LB, LF, SKETCH_OUT)
+               r_smem, H, K, V, C, BC, MR, LS, LB, LF, SKETCH_OUT, VB)
         nxt = gl.where(nxt < n_items, nxt, 0)
         bt_n, kk_n, qq_n, dd_n, ww_n, sw_n, bx_n = _small_inputs(
-            k, q, w, decay, beta, skip, buf_beta, nxt, s_n, n_n, H, K, V, C, BC, L1, L1, HAS_X, HAS_SKIP)
-        s_nn, n_nn = _entry(slots, pos, item + 2 * progs, n_items, H)
-        m_nn, r_nn = _head_flags(ranks, read_rows, item + 2 * progs, H, SKETCH_OUT, ROWS)
+            k, q, w, decay, beta, skip, buf_beta, nxt // NV, s_n, n_n, (nxt % NV) * VB, H, K, V, C, BC, L1,
+            L1, HAS_X, HAS_SKIP, VB)
+        s_nn, n_nn = _entry(slots, pos, item + 2 * progs, n_items, HV)
+        m_nn, r_nn = _head_flags(ranks, read_rows, (item + 2 * progs) // NV, H, SKETCH_OUT, ROWS)
         if s_c >= 0:
             head = s_c.to(gl.int64) * H + i_h
             if fast:
@@ -266,21 +276,21 @@ def _flush_kda_sweep_kernel(
                 o = gl.sum(S * gl.convert_layout(qq, ROW).to(gl.float32)[:, None], axis=0)
                 if HAS_SKIP:
                     o += gl.convert_layout(sw, COL).to(gl.float32)
-                gl.store(out + (i_b * H + i_h) * V + o_v, o.to(out.dtype.element_ty))
+                gl.store(out + (i_b * H + i_h) * V + v0 + o_v, o.to(out.dtype.element_ty))
             else:
                 S = S * f[:, None]
-            base = head * (K * V)
+            base = head * (K * V) + v0
             _store_state(S, state + base, rd + base, r_c, offs, HAS_READ, ROWS)
             if SKETCH_OUT:
                 # R_{:m} S on the FMA units (fp32 products), four rows of R at a time (four independent
                 # reductions), the first MR from shared memory, the rest from global memory (row
                 # r + 1 loaded while row r is applied)
                 m = m_c
-                sk_h = sk + head * sk_head_stride + o_v[None, :]  # [1, V]
+                sk_h = sk + head * sk_head_stride + v0 + o_v[None, :]  # [1, VB]
                 for r in range(0, gl.minimum(m, MR), 4):
                     for i in gl.static_range(4):
                         x = gl.sum(S * r_rows.index(r + i).permute([1, 0]).load(LT), axis=0, keep_dims=True)
-                        row_ok = (r + i < m) & (o_v[None, :] < V)
+                        row_ok = (r + i < m) & (o_v[None, :] < VB)
                         gl.store(sk_h + (r + i) * V, x.to(sk.dtype.element_ty), mask=row_ok)
                 fr = frames + i_h * (K * K)  # R of this head, [K, K]
                 rrow = gl.load(fr + MR * K + o_k, mask=o_k < gl.where(m > MR, K, 0), other=0.0)
@@ -297,20 +307,39 @@ def _flush_kda_sweep_kernel(
 
 def usable(heads: int, groups: int, key_dim: int, value_dim: int, capacity: int, num_warps: int) -> bool:
     """Whether this kernel takes a KDA pool of these dims: one head per group, a buffer of at most
-    16 tokens, 16 value columns per warp (V = 16 · num_warps, up to 8 warps) and K a multiple of
-    32 (the tile layout's key rows)."""
+    16 tokens, 16 value columns per warp (V a multiple of 16 · num_warps, up to 8 warps: a head is
+    V / (16 · num_warps) work items) and K a multiple of 32 (the tile layout's key rows)."""
     return (groups == heads and 0 < capacity <= 16 and num_warps in (1, 2, 4, 8)
-            and value_dim == 16 * num_warps and key_dim % 32 == 0)
+            and value_dim % (16 * num_warps) == 0 and key_dim % 32 == 0)
 
 
-def frame_rows(per_sm: int) -> int:
-    """The frame rows a program copies with each head's tiles: 16 at one program per SM (~117 KB of
-    shared memory in all), 8 at more (~109 KB: two programs fit in the SM's 228 KB)."""
-    return 16 if per_sm == 1 else 8
+# the shared memory an SM gives its programs (the H200's 228 KB, less 1 KB per program for the
+# system's use), and what a program of this kernel takes besides its buffers (Triton's scratch)
+SM_SHARED = 227 * 1024
+SCRATCH = 2 * 1024
+
+
+def shared_bytes(key_dim: int, value_cols: int, frame_rows: int) -> int:
+    """The shared memory of one program (BC = 16): the state tile [K, VB] fp32; keys [16, K] bf16;
+    decays and both coefficient planes [16, K] fp32; values [16, VB] bf16 twice; the scale [K]; and
+    two [MR, K] fp32 frame buffers."""
+    return (4 * key_dim * value_cols + 2 * 16 * key_dim + 3 * 4 * 16 * key_dim + 2 * 2 * 16 * value_cols
+            + 4 * key_dim + 2 * 4 * frame_rows * key_dim)
+
+
+def frame_rows(per_sm: int, key_dim: int = 128, value_cols: int = 128) -> int:
+    """The frame rows a program copies with each head's tiles: 16 where ``per_sm`` programs of that
+    size fit in an SM's shared memory (one program of 8 warps: ~117 KB; two of 4 warps, 64 columns
+    each: ~81 KB each), else 8."""
+    fits = per_sm * (shared_bytes(key_dim, value_cols, 16) + SCRATCH) <= SM_SHARED
+    return 16 if fits else 8
 
 
 def launch(args: tuple, frame_terms: torch.Tensor, **options) -> None:
     """Launch this module's kernel (``flush_pipelined.launch_persistent``'s options; constexprs H, K,
-    V, C, HAS_X, HAS_SKIP, HAS_READ, ROWS, SKETCH_OUT; BC is 16, MR from :func:`frame_rows`)."""
-    launch_persistent(_flush_kda_sweep_kernel, args, frame_terms, BC=16, MR=frame_rows(options["per_sm"]),
+    V, C, HAS_X, HAS_SKIP, HAS_READ, ROWS, SKETCH_OUT; BC is 16, MR from :func:`frame_rows`): V /
+    (16 · num_warps) work items per head."""
+    cols = 16 * options["num_warps"]
+    mr = frame_rows(options["per_sm"], options["K"], cols)
+    launch_persistent(_flush_kda_sweep_kernel, args, frame_terms, BC=16, MR=mr, parts=options["V"] // cols,
                       **options)

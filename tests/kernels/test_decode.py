@@ -602,11 +602,15 @@ def test_kda_pipelined_flush_takes_the_pools_its_layouts_cover(monkeypatch):
     assert not decode._pipelined(eight, "kda", pool(kd=16))
     assert not decode._pipelined(decode.KernelConfig(128, 2, pipelined=1), "kda", pool())
     assert not decode._pipelined(eight, "gdn", pool())
-    # the deferred-decay sweep (chunked=False): 16 value columns per warp, K a multiple of 32
+    # the deferred-decay sweep (chunked=False): 16 value columns per warp (a head in V / (16 · warps)
+    # work items), K a multiple of 32
     sweep8 = decode.KernelConfig(128, 8, False, pipelined=1)
-    sweep4 = decode.KernelConfig(64, 4, False, pipelined=1)
+    sweep4 = decode.KernelConfig(64, 4, False, pipelined=2)
     assert decode._pipelined(sweep8, "kda", pool()) and decode._pipelined(sweep4, "kda", pool(vd=64))
-    assert not decode._pipelined(sweep4, "kda", pool())  # 32 columns per warp
+    assert decode._pipelined(sweep4, "kda", pool())  # two items per head
+    assert not decode._pipelined(sweep4, "kda", pool(vd=96))  # not a whole number of items
+    assert not decode._pipelined(sweep8, "kda", pool(vd=64))
+    assert not decode._pipelined(decode.KernelConfig(64, 16, False, pipelined=1), "kda", pool(vd=256))
     assert not decode._pipelined(sweep8, "kda", pool(kd=48))
     assert not decode._pipelined(sweep8, "kda", pool(cap=17))
     assert not decode._pipelined(sweep8, "kda", pool(g=16))
@@ -688,10 +692,14 @@ def _many_heads_per_program(family, op, capacity, reference_config, config, cycl
 
 
 KDA_PIPELINED = [decode.KernelConfig(128, 8, pipelined=1), decode.KernelConfig(128, 4, pipelined=1)]
-# the persistent sweep with deferred decays (kernels/kda/flush_sweep.py): 8 warps of 16 value columns,
-# one program per SM
-KDA_SWEEP = [decode.KernelConfig(128, 8, False, pipelined=1)]
-KDA_IDS = ["warps8", "warps4", "sweep"]
+# the persistent sweep with deferred decays (kernels/kda/flush_sweep.py), 16 value columns per warp:
+# 8 warps (a head per work item), one program per SM; 4 warps (half a head), two or three programs
+# per SM; 2 warps (a quarter), four
+KDA_SWEEP = [decode.KernelConfig(128, 8, False, pipelined=1), decode.KernelConfig(64, 4, False, pipelined=2),
+             decode.KernelConfig(64, 4, False, maxnreg=168, pipelined=3),
+             decode.KernelConfig(32, 2, False, pipelined=4)]
+SWEEP_IDS = ["sweep", "sweep_half", "sweep_half3", "sweep_quarter"]
+KDA_IDS = ["warps8", "warps4", *SWEEP_IDS]
 
 
 @pytest.mark.gpu
@@ -737,7 +745,8 @@ def test_pipelined_kda_flush_tiny_and_zero_decays_gpu(config):
 
 
 @pytest.mark.gpu
-def test_kda_sweep_flush_new_token_tiny_decays_gpu():
+@pytest.mark.parametrize("config", KDA_SWEEP, ids=SWEEP_IDS)
+def test_kda_sweep_flush_new_token_tiny_decays_gpu(config):
     """The deferred-decay sweep multiplies the flush's new token's decay into the window's final scale:
     a tiny one after a window of 0.1s (products down to 1e-46, below fp32's normals), an exact zero
     on one channel, and a small one after a window of 0.5s must still give the reference, states and
@@ -745,7 +754,7 @@ def test_kda_sweep_flush_new_token_tiny_decays_gpu():
     h, g, kd, vd = GPU_SHAPES["kda"]
     gen = torch.Generator().manual_seed(13)
     pool = random_pool("kda", 4, h, g, kd, vd, capacity=16, device="cuda", generator=gen)
-    assert decode._pipelined(KDA_SWEEP[0], "kda", pool)
+    assert decode._pipelined(config, "kda", pool)
     x = random_inputs("kda", 4, 1, h, g, kd, vd, device="cuda", generator=gen)
     pool.buf_decay[0] = 0.1
     x.decay[0] = 1e-30
@@ -756,7 +765,7 @@ def test_kda_sweep_flush_new_token_tiny_decays_gpu():
     pos = torch.tensor([16, 12, 16, 0], dtype=torch.int32, device="cuda")
     got, want = pool.clone(), pool.clone()
     out = torch.full_like(x.w, float("nan"))
-    decode.flush("kda", got, slots, pos, x, out, config=KDA_SWEEP[0])
+    decode.flush("kda", got, slots, pos, x, out, config=config)
     o_want = ref.flush("kda", want, slots, pos, x)
     assert torch.isfinite(got.state).all()
     for s in range(4):
@@ -776,13 +785,14 @@ def test_pipelined_kda_flush_many_heads_per_program_gpu(op, capacity):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", KDA_SWEEP, ids=SWEEP_IDS)
 @pytest.mark.parametrize("capacity", [16, 11])
 @pytest.mark.parametrize("op", ["flush", "flush_sketch"])
-def test_kda_sweep_flush_many_heads_per_program_gpu(op, capacity):
-    """The persistent deferred-decay sweep on one program per SM (about 16 heads each) against
-    Triton's sweep on the same pool, buffers of every length up to the capacity."""
+def test_kda_sweep_flush_many_heads_per_program_gpu(op, capacity, config):
+    """The persistent deferred-decay sweep (about 16 work items per program) against Triton's sweep
+    on the same pool, buffers of every length up to the capacity."""
     sweep = decode.KernelConfig(16, 1, chunked=False, vec=4)
-    _many_heads_per_program("kda", op, capacity, sweep, KDA_SWEEP[0], cyclic=True)
+    _many_heads_per_program("kda", op, capacity, sweep, config, cyclic=True)
 
 
 def _candidates() -> list[tuple[str, str, decode.KernelConfig]]:
