@@ -110,7 +110,8 @@ TUNE_CANDIDATES: dict[str, dict[str, list[KernelConfig]]] = {
         "gdn": [_K(64, 4, maxnreg=168), _K(16, 1, False, 4), _K(16, 1, False, 2),
                 _K(16, 1, False, 2, prefetch=True)],
         # (KDA: the Triton sweep, the UT fold on tensor cores, and the persistent sweep with deferred
-        # decays of flush_sweep.py: a head per program of 8 warps, or half a head per program of 4)
+        # decays of flush_sweep.py: a head per program of 8 warps, or half a head per program of 4; at
+        # 8 value columns per warp it was slower, BENCHMARKS.md, fourteenth session)
         "kda": [_K(16, 1, False, 4, 128), _K(16, 1, False, 2), _K(32, 2, False, 4), _K(128, 8, pipelined=1),
                 _K(128, 8, False, pipelined=1), _K(64, 4, False, pipelined=2),
                 _K(64, 4, False, maxnreg=168, pipelined=3)],

@@ -101,7 +101,7 @@ def build(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True, to
         from sketchcal.kernels.kda import flush_sweep as SK
 
         consts = {k: v for k, v in consts.items() if k not in ("BV", "FAMILY", "G")}
-        consts.update(BC=16, MR=SK.frame_rows(cfg.pipelined, s.key_dim, 16 * cfg.num_warps))
+        consts.update(BC=16, VB=bv, MR=SK.frame_rows(cfg.pipelined, s.key_dim, bv))
         return _compile(SK._flush_kda_sweep_kernel, consts, cfg, gluon=True)
     if cfg.pipelined and family == "kda":
         from sketchcal.kernels.kda import flush_pipelined as PK

@@ -1085,7 +1085,7 @@ def _pipelined(cfg: KernelConfig, family: str, pool: DecodePool) -> bool:
 
         _, h, kd, vd = pool.state.shape
         kernel = flush_pipelined if cfg.chunked else flush_sweep
-        return kernel.usable(h, pool.buf_k.shape[1], kd, vd, pool.capacity, cfg.num_warps)
+        return kernel.usable(h, pool.buf_k.shape[1], kd, vd, pool.capacity, cfg.num_warps, _block_v(cfg, vd))
     return True
 
 
@@ -1260,7 +1260,7 @@ def flush(
             terms_or_dummy = tables.frame_terms if sketch else dummy
             flush_pipelined.launch(args, terms_or_dummy, SKETCH_TERMS=terms, **options)
         else:
-            flush_sweep.launch(args, dummy, **options)
+            flush_sweep.launch(args, dummy, VB=_block_v(cfg, vd), **options)
     elif _pipelined(cfg, family, pool):
         from sketchcal.kernels.common import flush_pipelined
 

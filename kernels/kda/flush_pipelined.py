@@ -350,10 +350,12 @@ def _flush_kda_kernel(
     async_copy.wait_group(0)
 
 
-def usable(heads: int, groups: int, key_dim: int, value_dim: int, capacity: int, num_warps: int) -> bool:
+def usable(heads: int, groups: int, key_dim: int, value_dim: int, capacity: int, num_warps: int,
+           block_v: int = 0) -> bool:
     """Whether this kernel takes a KDA pool of these dims (else the flush takes another kernel):
     one head per group, a buffer of at most 16 tokens (one chunk), 4 or 8 warps, and tiles its
-    layouts cover (K ≥ 32; V ≥ 16 rows per warp)."""
+    layouts cover (K ≥ 32; V ≥ 16 rows per warp). ``block_v`` is ignored: a work item is a whole
+    head."""
     return (groups == heads and 0 < capacity <= 16 and num_warps in (4, 8) and key_dim >= 32
             and value_dim >= 16 * num_warps)
 

@@ -164,26 +164,27 @@ def _flush_kda_sweep_kernel(
     rd, read_rows, sk, ranks, frames, sk_head_stride, frame_terms, n_items,
     H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, C: gl.constexpr, BC: gl.constexpr, MR: gl.constexpr,
     HAS_X: gl.constexpr, HAS_SKIP: gl.constexpr, HAS_READ: gl.constexpr, ROWS: gl.constexpr,
-    SKETCH_OUT: gl.constexpr,
+    SKETCH_OUT: gl.constexpr, VB: gl.constexpr,
 ):
     """The flush over ``n_items`` work items (see the module docstring); the arguments are the
     chunked flush's (the sketch reads R from ``frames`` [H, K, K] fp32), then ``frame_terms``
-    (unused) and the item count. A work item is ``VB`` = 16 · num_warps value columns of one head
-    (item = (batch row × H + head) × V / VB + part); BC is 16; K a multiple of 32; the first MR (a
+    (unused) and the item count. A work item is ``VB`` value columns of one head (item = (batch row
+    × H + head) × V / VB + part), 16 or 8 per warp; BC is 16; K a multiple of 32; the first MR (a
     multiple of 4) rows of each head's frame are copied with its tiles, rows past MR are read from
     global memory."""
     WARPS: gl.constexpr = gl.num_warps()
-    VB: gl.constexpr = 16 * WARPS  # value columns per item
+    CW: gl.constexpr = VB // WARPS  # value columns per warp: 16 or 8
     NV: gl.constexpr = V // VB  # items per head
     HV: gl.constexpr = H * NV  # items per batch row
     TR: gl.constexpr = 16 // WARPS if WARPS < 16 else 1  # lanes along the 16 rows of a [16, *] copy
-    # the state tile [K, V]: each warp 16 value columns, a thread 4 of them on 4 runs of 4 key rows
-    # (4 lanes along V, 8 along K): the k·S reduction is 16 values in the thread, then 3 shuffles
-    LT: gl.constexpr = gl.BlockedLayout([4, 4], [8, 4], [1, WARPS], [1, 0])
+    SV: gl.constexpr = min(16, VB // 4)  # lanes along V of the state tile's copy
+    # the state tile [K, VB]: each warp CW value columns, a thread CW/4 of them on 4 runs of 4 key
+    # rows (4 lanes along V, 8 along K): the k·S reduction is 16 values in the thread, then 3 shuffles
+    LT: gl.constexpr = gl.BlockedLayout([4, CW // 4], [8, 4], [1, WARPS], [1, 0])
     ROW: gl.constexpr = gl.SliceLayout(1, LT)  # [K] per key row: a run of 4 per lane, 16-B reads
-    COL: gl.constexpr = gl.SliceLayout(0, LT)  # [V] per value column
+    COL: gl.constexpr = gl.SliceLayout(0, LT)  # [VB] per value column
     # copies: 16 B per thread along the contiguous axis
-    LS: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [WARPS, 1], [1, 0])  # [K, V] fp32
+    LS: gl.constexpr = gl.BlockedLayout([1, 4], [32 // SV, SV], [WARPS, 1], [1, 0])  # [K, VB] fp32
     LB: gl.constexpr = gl.BlockedLayout([1, 8], [TR, 32 // TR], [WARPS, 1], [1, 0])  # [16, *] bf16
     LF: gl.constexpr = gl.BlockedLayout([1, 4], [TR, 32 // TR], [WARPS, 1], [1, 0])  # [16, K] fp32
     # the coefficients: one key channel per thread with its tokens in registers
@@ -305,12 +306,14 @@ def _flush_kda_sweep_kernel(
     async_copy.wait_group(0)
 
 
-def usable(heads: int, groups: int, key_dim: int, value_dim: int, capacity: int, num_warps: int) -> bool:
-    """Whether this kernel takes a KDA pool of these dims: one head per group, a buffer of at most
-    16 tokens, 16 value columns per warp (V a multiple of 16 · num_warps, up to 8 warps: a head is
-    V / (16 · num_warps) work items) and K a multiple of 32 (the tile layout's key rows)."""
+def usable(heads: int, groups: int, key_dim: int, value_dim: int, capacity: int, num_warps: int,
+           block_v: int) -> bool:
+    """Whether this kernel takes a KDA pool of these dims in work items of ``block_v`` value columns
+    (``KernelConfig.block_v``, clipped to V): one head per group, a buffer of at most 16 tokens, 16
+    or 8 value columns per warp (up to 8 warps), ``block_v`` dividing V, and K a multiple of 32 (the
+    tile layout's key rows)."""
     return (groups == heads and 0 < capacity <= 16 and num_warps in (1, 2, 4, 8)
-            and value_dim % (16 * num_warps) == 0 and key_dim % 32 == 0)
+            and block_v in (8 * num_warps, 16 * num_warps) and value_dim % block_v == 0 and key_dim % 32 == 0)
 
 
 # the shared memory an SM gives its programs (the H200's 228 KB, less 1 KB per program for the
@@ -327,19 +330,18 @@ def shared_bytes(key_dim: int, value_cols: int, frame_rows: int) -> int:
             + 4 * key_dim + 2 * 4 * frame_rows * key_dim)
 
 
-def frame_rows(per_sm: int, key_dim: int = 128, value_cols: int = 128) -> int:
-    """The frame rows a program copies with each head's tiles: 16 where ``per_sm`` programs of that
-    size fit in an SM's shared memory (one program of 8 warps: ~117 KB; two of 4 warps, 64 columns
-    each: ~81 KB each), else 8."""
+def frame_rows(per_sm: int, key_dim: int, value_cols: int) -> int:
+    """The frame rows a program copies with each work item's tiles: 16 where ``per_sm`` programs of
+    that size fit in an SM's shared memory (a head of K = V = 128 per program: ~117 KB; half a head:
+    ~81 KB), else 8."""
     fits = per_sm * (shared_bytes(key_dim, value_cols, 16) + SCRATCH) <= SM_SHARED
     return 16 if fits else 8
 
 
 def launch(args: tuple, frame_terms: torch.Tensor, **options) -> None:
     """Launch this module's kernel (``flush_pipelined.launch_persistent``'s options; constexprs H, K,
-    V, C, HAS_X, HAS_SKIP, HAS_READ, ROWS, SKETCH_OUT; BC is 16, MR from :func:`frame_rows`): V /
-    (16 · num_warps) work items per head."""
-    cols = 16 * options["num_warps"]
-    mr = frame_rows(options["per_sm"], options["K"], cols)
-    launch_persistent(_flush_kda_sweep_kernel, args, frame_terms, BC=16, MR=mr, parts=options["V"] // cols,
-                      **options)
+    V, C, HAS_X, HAS_SKIP, HAS_READ, ROWS, SKETCH_OUT and VB, the value columns of a work item; BC
+    is 16, MR from :func:`frame_rows`): V / VB work items per head."""
+    mr = frame_rows(options["per_sm"], options["K"], options["VB"])
+    parts = options["V"] // options["VB"]
+    launch_persistent(_flush_kda_sweep_kernel, args, frame_terms, BC=16, MR=mr, parts=parts, **options)

@@ -609,7 +609,9 @@ def test_kda_pipelined_flush_takes_the_pools_its_layouts_cover(monkeypatch):
     assert decode._pipelined(sweep8, "kda", pool()) and decode._pipelined(sweep4, "kda", pool(vd=64))
     assert decode._pipelined(sweep4, "kda", pool())  # two items per head
     assert not decode._pipelined(sweep4, "kda", pool(vd=96))  # not a whole number of items
-    assert not decode._pipelined(sweep8, "kda", pool(vd=64))
+    assert decode._pipelined(sweep8, "kda", pool(vd=64))  # block_v clipped to V: 8 columns per warp
+    assert decode._pipelined(decode.KernelConfig(32, 4, False, pipelined=4), "kda", pool())  # 8 per warp
+    assert not decode._pipelined(decode.KernelConfig(16, 4, False, pipelined=4), "kda", pool())  # 4 per warp
     assert not decode._pipelined(decode.KernelConfig(64, 16, False, pipelined=1), "kda", pool(vd=256))
     assert not decode._pipelined(sweep8, "kda", pool(kd=48))
     assert not decode._pipelined(sweep8, "kda", pool(cap=17))
@@ -692,13 +694,16 @@ def _many_heads_per_program(family, op, capacity, reference_config, config, cycl
 
 
 KDA_PIPELINED = [decode.KernelConfig(128, 8, pipelined=1), decode.KernelConfig(128, 4, pipelined=1)]
-# the persistent sweep with deferred decays (kernels/kda/flush_sweep.py), 16 value columns per warp:
-# 8 warps (a head per work item), one program per SM; 4 warps (half a head), two or three programs
-# per SM; 2 warps (a quarter), four
+# the persistent sweep with deferred decays (kernels/kda/flush_sweep.py), work items of block_v value
+# columns: 16 per warp at 8 warps (a head per item), one program per SM; at 4 warps (half a head), two
+# or three programs per SM; at 2 warps (a quarter), four. 8 per warp: half a head on 8 warps, a
+# quarter on 4, four programs per SM
 KDA_SWEEP = [decode.KernelConfig(128, 8, False, pipelined=1), decode.KernelConfig(64, 4, False, pipelined=2),
              decode.KernelConfig(64, 4, False, maxnreg=168, pipelined=3),
-             decode.KernelConfig(32, 2, False, pipelined=4)]
-SWEEP_IDS = ["sweep", "sweep_half", "sweep_half3", "sweep_quarter"]
+             decode.KernelConfig(32, 2, False, pipelined=4),
+             decode.KernelConfig(64, 8, False, maxnreg=128, pipelined=2),
+             decode.KernelConfig(32, 4, False, maxnreg=128, pipelined=4)]
+SWEEP_IDS = ["sweep", "sweep_half", "sweep_half3", "sweep_quarter", "sweep_half_cw8", "sweep_quarter_cw8"]
 KDA_IDS = ["warps8", "warps4", *SWEEP_IDS]
 
 
