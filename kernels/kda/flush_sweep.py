@@ -233,6 +233,16 @@ def _flush_kda_sweep_kernel(
         i_b = item // HV
         i_h = (item // NV) % H
         v0 = (item % NV) * VB  # the item's first value column
+        # the loads for the items ahead, issued first: the compiler moves the scalars among them into
+        # uniform registers at the next branch, which waits for them (run 87: at the end of the
+        # item's start, ~6% of the kernel's warp samples)
+        nxt = item + progs
+        nxt_c = gl.where(nxt < n_items, nxt, 0)
+        bt_n, kk_n, qq_n, dd_n, ww_n, sw_n, bx_n = _small_inputs(
+            k, q, w, decay, beta, skip, buf_beta, nxt_c // NV, s_n, n_n, (nxt_c % NV) * VB, H, K, V, C, BC,
+            L1, L1, HAS_X, HAS_SKIP, VB)
+        s_nn, n_nn = _entry(slots, pos, item + 2 * progs, n_items, HV)
+        m_nn, r_nn = _head_flags(ranks, read_rows, (item + 2 * progs) // NV, H, SKETCH_OUT, ROWS)
         async_copy.wait_group(0)
         _barrier()  # (also: every thread is past the previous item's sweep)
         fast = _coefficients(a_smem, k_smem, w_smem, r_smem, bt, n_c, dot_smem, upd_smem, scale_smem, w_cur,
@@ -240,15 +250,8 @@ def _flush_kda_sweep_kernel(
         S = s_smem.load(LT)
         _barrier()
         # the next head's copies run while this one is swept and stored
-        nxt = item + progs
         _issue(state, buf_k, buf_w, buf_decay, m_n, frames, nxt, s_n, n_n, s_smem, k_smem, a_smem, w_smem,
                r_smem, H, K, V, C, BC, MR, LS, LB, LF, SKETCH_OUT, VB)
-        nxt = gl.where(nxt < n_items, nxt, 0)
-        bt_n, kk_n, qq_n, dd_n, ww_n, sw_n, bx_n = _small_inputs(
-            k, q, w, decay, beta, skip, buf_beta, nxt // NV, s_n, n_n, (nxt % NV) * VB, H, K, V, C, BC, L1,
-            L1, HAS_X, HAS_SKIP, VB)
-        s_nn, n_nn = _entry(slots, pos, item + 2 * progs, n_items, HV)
-        m_nn, r_nn = _head_flags(ranks, read_rows, (item + 2 * progs) // NV, H, SKETCH_OUT, ROWS)
         if s_c >= 0:
             head = s_c.to(gl.int64) * H + i_h
             if fast:
@@ -287,18 +290,18 @@ def _flush_kda_sweep_kernel(
                 # reductions), the first MR from shared memory, the rest from global memory (row
                 # r + 1 loaded while row r is applied)
                 m = m_c
-                sk_h = sk + head * sk_head_stride + v0 + o_v[None, :]  # [1, VB]
+                sk_h = sk + (head * sk_head_stride + v0)  # the item's first column of row 0 (a scalar)
                 for r in range(0, gl.minimum(m, MR), 4):
                     for i in gl.static_range(4):
                         x = gl.sum(S * r_rows.index(r + i).permute([1, 0]).load(LT), axis=0, keep_dims=True)
                         row_ok = (r + i < m) & (o_v[None, :] < VB)
-                        gl.store(sk_h + (r + i) * V, x.to(sk.dtype.element_ty), mask=row_ok)
+                        gl.store(sk_h + ((r + i) * V + o_v[None, :]), x.to(sk.dtype.element_ty), mask=row_ok)
                 fr = frames + i_h * (K * K)  # R of this head, [K, K]
                 rrow = gl.load(fr + MR * K + o_k, mask=o_k < gl.where(m > MR, K, 0), other=0.0)
                 for r in range(MR, m):
                     rnext = gl.load(fr + (r + 1) * K + o_k, mask=o_k < gl.where(r + 1 < m, K, 0), other=0.0)
                     x = gl.sum(S * rrow[:, None], axis=0, keep_dims=True)
-                    gl.store(sk_h + r * V, x.to(sk.dtype.element_ty))
+                    gl.store(sk_h + (r * V + o_v[None, :]), x.to(sk.dtype.element_ty))
                     rrow = rnext
         s_c, n_c, s_n, n_n = s_n, n_n, s_nn, n_nn
         m_c, m_n, r_c, r_n = m_n, m_nn, r_n, r_nn
