@@ -6,9 +6,9 @@ operations per state element per buffered token: the decay ``S ← Diag(α_j) S`
 the rank-1 update. Every program also rebuilds each token's per-channel terms (keys, decays) for its
 own tile, and no load is in flight while it computes (BENCHMARKS.md). Here a program of
 ``num_warps`` warps takes a run of work items, ``pid, pid + programs, …``; a work item is
-16 · num_warps value columns of one head (all of them at 8 warps, half a head at 4), each warp a
-band of 16 columns. While one item is swept, the next item's state tile, buffered keys, decays and
-values are copied into shared memory (``cp.async``).
+``KernelConfig.block_v`` value columns of one head (the default: half a head on 4 warps), each warp
+a band of 16 (or 8) columns. While one item is swept, the next item's state tile, buffered keys,
+decays and values are copied into shared memory (``cp.async``).
 
 The math: with ``c_j = α_0 ⊙ ⋯ ⊙ α_j`` (per channel, running products) the head's state is held as
 ``S = Diag(c) Ŝ``, and token j (``w_j = β_j v_j``) costs two operations per element:
@@ -30,13 +30,12 @@ Triton sweep writes it).
 Speed (BENCHMARKS.md, twelfth to fourteenth sessions): KDA's default flush, at half a head per
 program of 4 warps and three programs per SM (168 registers), so that the phases of one program
 (coefficients, sweep, stores, sketch) overlap those of the other two. On the H200 at batch 256 it
-takes 535 µs in sketch mode and 463 µs in replay mode (run 85), against 587 and 494 µs for a whole
-head per program of 8 warps, one per SM, and 630 and 608 µs for Triton's sweep. Within one
-8-warp program the warps ran the head's chains of dependent steps in lockstep, and 0.5
-instructions issued per scheduler per cycle (run 79: about 40% of the time in the sweep, 20% in
-the coefficients, the copy issue and the tile's read, 20% in the new token and the stores, 18% in
-the sketch rows). Quarter heads (2 warps, four programs per SM) repeat the per-item work too often:
-630 µs.
+takes 520 µs in sketch mode and 448 µs in replay mode (run 88), against 587 and 494 µs for a whole
+head per program of 8 warps, one per SM, and 630 and 608 µs for Triton's sweep. Within one 8-warp
+program the warps ran the head's chains of dependent steps in lockstep, and 0.5 instructions
+issued per scheduler per cycle (0.59 now, run 87). Quarter heads (2 warps, four programs per SM)
+repeat the per-item work too often (630 µs), and so do 8 value columns per warp (641 µs for half a
+head on 8 warps, 675 for a quarter on 4: run 86).
 
 Gluon kernels cannot run in the CPU interpreter: the ``gpu`` tests hold this kernel to the float64
 reference (``decode.flush`` chooses it with ``KernelConfig(chunked=False, pipelined=N)``).
