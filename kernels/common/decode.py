@@ -105,14 +105,15 @@ class KernelConfig:
       them, which loads a token or a group ahead, finds them there rather than in DRAM. (The
       chunked flush loads its buffer tiles at once anyway.)
     - ``pipelined`` (Mamba-2 and KDA flushes, 0 = off) runs the flush as a persistent Gluon kernel
-      on that many programs per SM (``num_warps`` each; ``block_v`` is ignored: a program takes
-      whole heads): Mamba-2's of :mod:`.flush_pipelined`; for KDA, with ``chunked`` the UT fold on
-      tensor cores of ``kernels/kda/flush_pipelined.py`` (4 or 8 warps; a tuning candidate, slower
-      than the sweeps on the H200: BENCHMARKS.md, eleventh session), without it the token-by-token
-      sweep with deferred decays of ``kernels/kda/flush_sweep.py`` (16 value columns per warp; KDA's
-      default). It needs a CUDA device, bf16 buffered inputs and a Triton with Gluon
-      (:func:`gluon_available`); elsewhere (the CPU interpreter, fp32 inputs) the flush takes the
-      chunked kernel, or with ``chunked`` False the sweep (KDA's: ``SWEEP_FALLBACK``).
+      on that many programs per SM (``num_warps`` each): Mamba-2's of :mod:`.flush_pipelined` and,
+      for KDA with ``chunked``, the UT fold on tensor cores of ``kernels/kda/flush_pipelined.py``
+      (4 or 8 warps; a tuning candidate, slower than the sweeps on the H200: BENCHMARKS.md,
+      eleventh session) take whole heads (``block_v`` is ignored); without ``chunked``, KDA's
+      token-by-token sweep with deferred decays of ``kernels/kda/flush_sweep.py`` (KDA's default)
+      takes ``block_v`` value columns of a head at a time, 16 or 8 per warp. It needs a CUDA
+      device, bf16 buffered inputs and a Triton with Gluon (:func:`gluon_available`); elsewhere
+      (the CPU interpreter, fp32 inputs) the flush takes the chunked kernel, or with ``chunked``
+      False the sweep (KDA's: ``SWEEP_FALLBACK``).
     - ``split`` (Mamba-2 sketch steps of one token, 0 = off) runs the read as two kernels
       (:mod:`.read_split`): programs of ``split`` warps compute every head's coefficients once
       per key group (and the group's dots, ``dots`` groups per program), then programs of
