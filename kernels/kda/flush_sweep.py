@@ -30,7 +30,7 @@ Triton sweep writes it).
 Speed (BENCHMARKS.md, twelfth to fourteenth sessions): KDA's default flush, at half a head per
 program of 4 warps and three programs per SM (168 registers), so that the phases of one program
 (coefficients, sweep, stores, sketch) overlap those of the other two. On the H200 at batch 256 it
-takes 520 µs in sketch mode and 448 µs in replay mode (run 88), against 587 and 494 µs for a whole
+takes 519 µs in sketch mode and 442 µs in replay mode (run 90), against 587 and 494 µs for a whole
 head per program of 8 warps, one per SM, and 630 and 608 µs for Triton's sweep. Within one 8-warp
 program the warps ran the head's chains of dependent steps in lockstep, and 0.5 instructions
 issued per scheduler per cycle (0.59 now, run 87). Quarter heads (2 warps, four programs per SM)
@@ -100,20 +100,25 @@ def _head_flags(ranks, read_rows, item, H: gl.constexpr, SKETCH_OUT: gl.constexp
 
 @gluon.jit
 def _issue(
-    state, buf_k, buf_w, buf_decay, m, frames, item, s, n, s_smem, k_smem, a_smem, w_smem, r_smem,
-    H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, C: gl.constexpr, BC: gl.constexpr, MR: gl.constexpr,
-    LS: gl.constexpr, LB: gl.constexpr, LF: gl.constexpr, SKETCH_OUT: gl.constexpr, VB: gl.constexpr,
+    state, buf_k, buf_w, buf_decay, buf_beta, m, frames, item, s, n, s_smem, k_smem, a_smem, w_smem, b_smem,
+    r_smem, H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, C: gl.constexpr, BC: gl.constexpr,
+    MR: gl.constexpr, LS: gl.constexpr, LB: gl.constexpr, LF: gl.constexpr, L1: gl.constexpr,
+    SKETCH_OUT: gl.constexpr, VB: gl.constexpr,
 ):
     """Start the copies of work item ``item`` (value columns ``VB · (item % (V / VB))`` onwards of a
     head item; slot ``s``, ``n`` buffered tokens) into shared memory: its state tile [K, VB] fp32,
-    buffered keys [BC, K] bf16, decays [BC, K] fp32 and values [BC, VB] bf16 (rows ≥ n
-    zero-filled), and with ``SKETCH_OUT`` the first ``MR`` rows of its frame R [MR, K] fp32 (rows ≥
-    its rank ``m`` zero-filled). A padding slot or an item past the end copies zeros."""
+    buffered keys [BC, K] bf16, decays [BC, K] fp32, values [BC, VB] bf16 and betas [BC] fp32 (rows
+    ≥ n zero-filled), and with ``SKETCH_OUT`` the first ``MR`` rows of its frame R [MR, K] fp32
+    (rows ≥ its rank ``m`` zero-filled). A padding slot or an item past the end copies zeros."""
     NV: gl.constexpr = V // VB
     i_h = (item // NV) % H
     live = s >= 0
     _issue_window(state, buf_k, buf_w, buf_decay, item // NV, s, n, s_smem, k_smem, w_smem, a_smem,
                   (item % NV) * VB, H, K, V, C, BC, LS, LB, LF, VB)
+    # the betas read in the coefficients' layout: a copy instead of a layout conversion (two barriers)
+    o_b = gl.arange(0, BC, L1)
+    hb = (gl.where(live, s, 0).to(gl.int64) * H + i_h) * C
+    _async_load(b_smem, buf_beta + hb + o_b, o_b < gl.where(live, n, 0))
     if SKETCH_OUT:
         m = gl.where(live, m, 0)
         o_kf = gl.arange(0, K, gl.SliceLayout(0, LF))
@@ -124,11 +129,11 @@ def _issue(
 
 
 @gluon.jit
-def _coefficients(a_smem, k_smem, w_smem, r_smem, bt, n, dot_smem, upd_smem, scale_smem, w_cur, r_cur,
+def _coefficients(a_smem, k_smem, w_smem, r_smem, b_smem, n, dot_smem, upd_smem, scale_smem, w_cur, r_cur,
                   K: gl.constexpr, BC: gl.constexpr, LD: gl.constexpr, LB: gl.constexpr, LF: gl.constexpr,
                   SKETCH_OUT: gl.constexpr):
     """One head's per-token coefficient rows [BC, K] (``dot_smem``, ``upd_smem``) and final scale
-    [K] (``scale_smem``) from its buffered decays and keys (shared memory) and betas ``bt`` [BC]:
+    [K] (``scale_smem``) from its buffered decays, keys and betas [BC] (shared memory):
     ``β_j c_j ⊙ k_j``, ``k_j / c_j`` and ``c_{n−1}`` when every running product lies in
     [TINY, HUGE] (returns True); else ``α_j``, ``k_j`` and ones, for the direct sweep (returns
     False). One key channel per thread (``LD``: its tokens in registers, so the scan stays in the
@@ -145,7 +150,7 @@ def _coefficients(a_smem, k_smem, w_smem, r_smem, bt, n, dot_smem, upd_smem, sca
     bad = gl.max(gl.max(gl.where((c >= TINY) & (c <= HUGE), 0, 1), axis=0), axis=0)
     fast = bad == 0
     if fast:
-        b = gl.convert_layout(bt, gl.SliceLayout(1, LD))
+        b = b_smem.load(gl.SliceLayout(1, LD))
         dot_smem.store(b[:, None] * c * kf)
         upd_smem.store(kf / c)
         scale_smem.store(gl.sum(gl.where(o_c[:, None] == BC - 1, c, 0.0), axis=0))
@@ -169,8 +174,8 @@ def _flush_kda_sweep_kernel(
     chunked flush's (the sketch reads R from ``frames`` [H, K, K] fp32), then ``frame_terms``
     (unused) and the item count. A work item is ``VB`` value columns of one head (item = (batch row
     × H + head) × V / VB + part), 16 or 8 per warp; BC is 16; K a multiple of 32; the first MR (a
-    multiple of 4) rows of each head's frame are copied with its tiles, rows past MR are read from
-    global memory."""
+    multiple of 4) rows of each head's frame are copied with its tiles, further rows MR at a time into
+    the same buffer as the sketch rows need them."""
     WARPS: gl.constexpr = gl.num_warps()
     CW: gl.constexpr = VB // WARPS  # value columns per warp: 16 or 8
     NV: gl.constexpr = V // VB  # items per head
@@ -203,6 +208,7 @@ def _flush_kda_sweep_kernel(
     dot_smem = gl.allocate_shared_memory(gl.float32, [BC, K], SP)
     upd_smem = gl.allocate_shared_memory(gl.float32, [BC, K], SP)
     scale_smem = gl.allocate_shared_memory(gl.float32, [K], SP1)
+    b_smem = gl.allocate_shared_memory(gl.float32, [BC], SP1)
     # the same planes as [BC, 1, K], for reads of one token's row ([1, K]) at a dynamic index
     dot_rows = _rows(dot_smem, BC, K, SP)
     upd_rows = _rows(upd_smem, BC, K, SP)
@@ -222,9 +228,9 @@ def _flush_kda_sweep_kernel(
     offs = o_k[:, None] * V + o_v[None, :]
     s_c, n_c = _entry(slots, pos, pid, n_items, HV)
     m_c, r_c = _head_flags(ranks, read_rows, pid // NV, H, SKETCH_OUT, ROWS)
-    _issue(state, buf_k, buf_w, buf_decay, m_c, frames, pid, s_c, n_c, s_smem, k_smem, a_smem, w_smem,
-           r_smem, H, K, V, C, BC, MR, LS, LB, LF, SKETCH_OUT, VB)
-    bt, kk, qq, dd, ww, sw, bx = _small_inputs(k, q, w, decay, beta, skip, buf_beta, pid // NV, s_c, n_c,
+    _issue(state, buf_k, buf_w, buf_decay, buf_beta, m_c, frames, pid, s_c, n_c, s_smem, k_smem, a_smem,
+           w_smem, b_smem, r_smem, H, K, V, C, BC, MR, LS, LB, LF, L1, SKETCH_OUT, VB)
+    _, kk, qq, dd, ww, sw, bx = _small_inputs(k, q, w, decay, beta, skip, buf_beta, pid // NV, s_c, n_c,
                                                (pid % NV) * VB, H, K, V, C, BC, L1, L1, HAS_X, HAS_SKIP, VB)
     s_n, n_n = _entry(slots, pos, pid + progs, n_items, HV)
     m_n, r_n = _head_flags(ranks, read_rows, (pid + progs) // NV, H, SKETCH_OUT, ROWS)
@@ -237,20 +243,20 @@ def _flush_kda_sweep_kernel(
         # item's start, ~6% of the kernel's warp samples)
         nxt = item + progs
         nxt_c = gl.where(nxt < n_items, nxt, 0)
-        bt_n, kk_n, qq_n, dd_n, ww_n, sw_n, bx_n = _small_inputs(
+        _, kk_n, qq_n, dd_n, ww_n, sw_n, bx_n = _small_inputs(
             k, q, w, decay, beta, skip, buf_beta, nxt_c // NV, s_n, n_n, (nxt_c % NV) * VB, H, K, V, C, BC,
             L1, L1, HAS_X, HAS_SKIP, VB)
         s_nn, n_nn = _entry(slots, pos, item + 2 * progs, n_items, HV)
         m_nn, r_nn = _head_flags(ranks, read_rows, (item + 2 * progs) // NV, H, SKETCH_OUT, ROWS)
         async_copy.wait_group(0)
         _barrier()  # (also: every thread is past the previous item's sweep)
-        fast = _coefficients(a_smem, k_smem, w_smem, r_smem, bt, n_c, dot_smem, upd_smem, scale_smem, w_cur,
-                             r_cur, K, BC, LD, LB, LF, SKETCH_OUT)
+        fast = _coefficients(a_smem, k_smem, w_smem, r_smem, b_smem, n_c, dot_smem, upd_smem, scale_smem,
+                             w_cur, r_cur, K, BC, LD, LB, LF, SKETCH_OUT)
         S = s_smem.load(LT)
         _barrier()
         # the next head's copies run while this one is swept and stored
-        _issue(state, buf_k, buf_w, buf_decay, m_n, frames, nxt, s_n, n_n, s_smem, k_smem, a_smem, w_smem,
-               r_smem, H, K, V, C, BC, MR, LS, LB, LF, SKETCH_OUT, VB)
+        _issue(state, buf_k, buf_w, buf_decay, buf_beta, m_n, frames, nxt, s_n, n_n, s_smem, k_smem, a_smem,
+               w_smem, b_smem, r_smem, H, K, V, C, BC, MR, LS, LB, LF, L1, SKETCH_OUT, VB)
         if s_c >= 0:
             head = s_c.to(gl.int64) * H + i_h
             if fast:
@@ -286,25 +292,32 @@ def _flush_kda_sweep_kernel(
             _store_state(S, state + base, rd + base, r_c, offs, HAS_READ, ROWS)
             if SKETCH_OUT:
                 # R_{:m} S on the FMA units (fp32 products), four rows of R at a time (four independent
-                # reductions), the first MR from shared memory, the rest from global memory (row
-                # r + 1 loaded while row r is applied)
+                # reductions), MR rows at a time from shared memory: the first MR copied with the
+                # item's tiles, each further MR copied into the same buffer once every warp is past
+                # the previous ones (rows ≥ m zero-filled)
                 m = m_c
                 sk_h = sk + (head * sk_head_stride + v0)  # the item's first column of row 0 (a scalar)
-                for r in range(0, gl.minimum(m, MR), 4):
-                    for i in gl.static_range(4):
-                        x = gl.sum(S * r_rows.index(r + i).permute([1, 0]).load(LT), axis=0, keep_dims=True)
-                        row_ok = (r + i < m) & (o_v[None, :] < VB)
-                        gl.store(sk_h + ((r + i) * V + o_v[None, :]), x.to(sk.dtype.element_ty), mask=row_ok)
                 fr = frames + i_h * (K * K)  # R of this head, [K, K]
-                rrow = gl.load(fr + MR * K + o_k, mask=o_k < gl.where(m > MR, K, 0), other=0.0)
-                for r in range(MR, m):
-                    rnext = gl.load(fr + (r + 1) * K + o_k, mask=o_k < gl.where(r + 1 < m, K, 0), other=0.0)
-                    x = gl.sum(S * rrow[:, None], axis=0, keep_dims=True)
-                    gl.store(sk_h + (r * V + o_v[None, :]), x.to(sk.dtype.element_ty))
-                    rrow = rnext
+                o_rf = gl.arange(0, MR, gl.SliceLayout(1, LF))
+                o_kf = gl.arange(0, K, gl.SliceLayout(0, LF))
+                for r0 in range(0, m, MR):
+                    if r0 > 0:
+                        _barrier()  # every warp is done with the rows before r0
+                        m_r = ((r0 + o_rf)[:, None] < m) & (o_kf[None, :] < K)
+                        _async_load(r_cur, fr + ((r0 + o_rf)[:, None] * K + o_kf[None, :]), m_r)
+                        async_copy.commit_group()
+                        async_copy.wait_group(0)  # (the next item's copies, issued long before, too)
+                        _barrier()
+                    for r in range(r0, gl.minimum(m, r0 + MR), 4):
+                        for i in gl.static_range(4):
+                            rr = r_rows.index(r - r0 + i).permute([1, 0]).load(LT)
+                            x = gl.sum(S * rr, axis=0, keep_dims=True)
+                            row_ok = (r + i < m) & (o_v[None, :] < VB)
+                            gl.store(sk_h + ((r + i) * V + o_v[None, :]), x.to(sk.dtype.element_ty),
+                                     mask=row_ok)
         s_c, n_c, s_n, n_n = s_n, n_n, s_nn, n_nn
         m_c, m_n, r_c, r_n = m_n, m_nn, r_n, r_nn
-        bt, kk, qq, dd, ww, sw, bx = bt_n, kk_n, qq_n, dd_n, ww_n, sw_n, bx_n
+        kk, qq, dd, ww, sw, bx = kk_n, qq_n, dd_n, ww_n, sw_n, bx_n
     async_copy.wait_group(0)
 
 

@@ -658,14 +658,15 @@ def test_pipelined_flush_many_heads_per_program_gpu(op):
     _many_heads_per_program("mamba2", op, 16, chunked, pipelined)
 
 
-def _many_heads_per_program(family, op, capacity, reference_config, config, cyclic=False):
+def _many_heads_per_program(family, op, capacity, reference_config, config, cyclic=False, ranks=None):
     """A batch of 64 entries (one padding) of an 80-slot pool at the real shape, flushed with
     ``config`` and with ``reference_config``, which must agree: states to 1e-6, read copies, sketches
     and outputs to bf16 tolerance; padding outputs and unaddressed slots untouched. Buffered tokens:
-    random up to ``capacity``, or every length in turn (``cyclic``)."""
+    random up to ``capacity``, or every length in turn (``cyclic``). ``ranks``: the heads' ranks
+    (default: the benchmark's spread, one head dense)."""
     h, g, kd, vd = GPU_SHAPES[family]
     gen = torch.Generator().manual_seed(23)
-    tables = random_sketch(family, _ranks(h, kd, True), g, kd, gen).to("cuda")
+    tables = random_sketch(family, ranks or _ranks(h, kd, True), g, kd, gen).to("cuda")
     sketch = op.endswith("sketch")
     pool = random_pool(family, 80, h, g, kd, vd, capacity=capacity, sketch_rows=tables.map_rows,
                        device="cuda", generator=gen)
@@ -798,6 +799,18 @@ def test_kda_sweep_flush_many_heads_per_program_gpu(op, capacity, config):
     on the same pool, buffers of every length up to the capacity."""
     sweep = decode.KernelConfig(16, 1, chunked=False, vec=4)
     _many_heads_per_program("kda", op, capacity, sweep, config, cyclic=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", KDA_SWEEP, ids=SWEEP_IDS)
+def test_kda_sweep_flush_odd_ranks_gpu(config):
+    """The sweep flush copies a head's frame rows into shared memory 8 or 16 at a time: ranks up to
+    the largest supported (64: eight rounds of 8), ranks that are no multiple of that count (12, 24,
+    48), and dense heads, against Triton's sweep on the same pool."""
+    h = GPU_SHAPES["kda"][0]
+    ranks = [[4, 12, 0, 48, 64, 24, 8, 16, 32][i % 9] for i in range(h)]
+    sweep = decode.KernelConfig(16, 1, chunked=False, vec=4)
+    _many_heads_per_program("kda", "flush_sketch", 16, sweep, config, cyclic=True, ranks=ranks)
 
 
 def _candidates() -> list[tuple[str, str, decode.KernelConfig]]:
