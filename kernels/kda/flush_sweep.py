@@ -216,10 +216,11 @@ def _flush_kda_sweep_kernel(
     if SKETCH_OUT:  # the frame's first MR rows: the copy buffer, and this item's
         r_smem = gl.allocate_shared_memory(gl.float32, [MR, K], SP)
         r_cur = gl.allocate_shared_memory(gl.float32, [MR, K], SP)
-    else:  # (neither written nor read)
+        r_rows = _rows(r_cur, MR, K, SP)
+    else:  # (neither written nor read; no view of MR rows: Triton 3.8 checks a view's size)
         r_smem = a_smem
         r_cur = a_smem
-    r_rows = _rows(r_cur, MR, K, SP)
+        r_rows = dot_rows
 
     pid = gl.program_id(0)
     progs = gl.num_programs(0)
