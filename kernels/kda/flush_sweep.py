@@ -33,7 +33,7 @@ program of 4 warps and three programs per SM (168 registers), so that the phases
 takes 519 µs in sketch mode and 442 µs in replay mode (run 90), against 587 and 494 µs for a whole
 head per program of 8 warps, one per SM, and 630 and 608 µs for Triton's sweep. Within one 8-warp
 program the warps ran the head's chains of dependent steps in lockstep, and 0.5 instructions
-issued per scheduler per cycle (0.59 now, run 87). Quarter heads (2 warps, four programs per SM)
+issued per scheduler per cycle (0.61 now, run 90). Quarter heads (2 warps, four programs per SM)
 repeat the per-item work too often (630 µs), and so do 8 value columns per warp (641 µs for half a
 head on 8 warps, 675 for a quarter on 4: run 86).
 
@@ -85,7 +85,7 @@ HUGE = gl.constexpr(2.0**64)
 @gluon.jit
 def _head_flags(ranks, read_rows, item, H: gl.constexpr, SKETCH_OUT: gl.constexpr, ROWS: gl.constexpr):
     """Work item ``item``'s head's rank m (with ``SKETCH_OUT``; else 0) and read-copy flag
-    ``read_rows[head]`` (with ``ROWS``; else 0), loaded an item ahead. Volatile, because a plain load
+    ``read_rows[head]`` (with ``ROWS``; else 0), loaded ahead of their use. Volatile, because a plain load
     of read-only memory is sunk to its first use: there, behind the head's 64 KB of state stores, each
     was a round trip to global memory on the critical path (run 79: ~6% of the sketch flush)."""
     i_h = item % H
