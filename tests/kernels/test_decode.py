@@ -602,7 +602,7 @@ def test_kda_pipelined_flush_takes_the_pools_its_layouts_cover(monkeypatch):
     assert not decode._pipelined(eight, "kda", pool(kd=16))
     assert not decode._pipelined(decode.KernelConfig(128, 2, pipelined=1), "kda", pool())
     assert not decode._pipelined(eight, "gdn", pool())
-    # the deferred-decay sweep (chunked=False): 16 value columns per warp (a head in V / (16 · warps)
+    # the deferred-decay sweep (chunked=False): 16 or 8 value columns per warp (a head in V / block_v
     # work items), K a multiple of 32
     sweep8 = decode.KernelConfig(128, 8, False, pipelined=1)
     sweep4 = decode.KernelConfig(64, 4, False, pipelined=2)
@@ -706,6 +706,8 @@ KDA_SWEEP = [decode.KernelConfig(128, 8, False, pipelined=1), decode.KernelConfi
              decode.KernelConfig(32, 4, False, maxnreg=128, pipelined=4)]
 SWEEP_IDS = ["sweep", "sweep_half", "sweep_half3", "sweep_quarter", "sweep_half_cw8", "sweep_quarter_cw8"]
 KDA_IDS = ["warps8", "warps4", *SWEEP_IDS]
+# the reference the persistent flushes are held to on many heads: KDA's Triton sweep
+TRITON_SWEEP = decode.KernelConfig(16, 1, chunked=False, vec=4)
 
 
 @pytest.mark.gpu
@@ -786,8 +788,7 @@ def test_pipelined_kda_flush_many_heads_per_program_gpu(op, capacity):
     """A batch of 64 on one program per SM, each folding about 16 heads through its copy rings,
     against the token-by-token flush on the same pool (which the tests above hold to the
     reference); buffers of every length up to the capacity (a full chunk, or a shorter one)."""
-    sweep = decode.KernelConfig(16, 1, chunked=False, vec=4)
-    _many_heads_per_program("kda", op, capacity, sweep, KDA_PIPELINED[0], cyclic=True)
+    _many_heads_per_program("kda", op, capacity, TRITON_SWEEP, KDA_PIPELINED[0], cyclic=True)
 
 
 @pytest.mark.gpu
@@ -797,8 +798,7 @@ def test_pipelined_kda_flush_many_heads_per_program_gpu(op, capacity):
 def test_kda_sweep_flush_many_heads_per_program_gpu(op, capacity, config):
     """The persistent deferred-decay sweep (about 16 work items per program) against Triton's sweep
     on the same pool, buffers of every length up to the capacity."""
-    sweep = decode.KernelConfig(16, 1, chunked=False, vec=4)
-    _many_heads_per_program("kda", op, capacity, sweep, config, cyclic=True)
+    _many_heads_per_program("kda", op, capacity, TRITON_SWEEP, config, cyclic=True)
 
 
 @pytest.mark.gpu
@@ -809,8 +809,7 @@ def test_kda_sweep_flush_odd_ranks_gpu(config):
     48), and dense heads, against Triton's sweep on the same pool."""
     h = GPU_SHAPES["kda"][0]
     ranks = [[4, 12, 0, 48, 64, 24, 8, 16, 32][i % 9] for i in range(h)]
-    sweep = decode.KernelConfig(16, 1, chunked=False, vec=4)
-    _many_heads_per_program("kda", "flush_sketch", 16, sweep, config, cyclic=True, ranks=ranks)
+    _many_heads_per_program("kda", "flush_sketch", 16, TRITON_SWEEP, config, cyclic=True, ranks=ranks)
 
 
 def _candidates() -> list[tuple[str, str, decode.KernelConfig]]:
