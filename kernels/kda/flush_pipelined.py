@@ -46,6 +46,7 @@ from sketchcal.kernels.common.flush_pipelined import (
     _async_load,
     _barrier,
     _entry,
+    _head_flags,
     _mul,
     _split3,
     _store_folded,
@@ -289,6 +290,7 @@ def _flush_kda_kernel(
     for item in range(pid, n_items, progs):
         i_b = item // H
         i_h = item % H
+        m_c, r_c = _head_flags(ranks, read_rows, item, H, SKETCH_OUT, ROWS)  # for the stores
         b_smem.store(bt[None, :])  # (every thread is past the previous item's reads of it)
         async_copy.wait_group(0)
         _barrier()
@@ -341,8 +343,8 @@ def _flush_kda_kernel(
                 r_cur = r_ring.index(cur)
             else:
                 r_cur = kg_smem.index(0)  # (not read)
-            _store_folded(St, state, rd, read_rows, sk + head * sk_head_stride, ranks, frame_terms, r_cur,
-                          head * (K * V), i_h, i_h, K, V, HAS_READ, ROWS, SKETCH_OUT, SKETCH_TERMS, MMA, A_OP,
+            _store_folded(St, state, rd, r_c, sk + head * sk_head_stride, m_c, frame_terms, r_cur,
+                          head * (K * V), i_h, K, V, HAS_READ, ROWS, SKETCH_OUT, SKETCH_TERMS, MMA, A_OP,
                           B_OP, LS, LR16)
         s_c, n_c, s_n, n_n = s_n, n_n, s_nn, n_nn
         bt, kk, qq, dd, ww, sw, bx = bt_n, kk_n, qq_n, dd_n, ww_n, sw_n, bx_n

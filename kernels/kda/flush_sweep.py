@@ -52,6 +52,7 @@ from sketchcal.kernels.common.flush_pipelined import (
     _async_load,
     _barrier,
     _entry,
+    _head_flags,
     _mul,
     _store_state,
     launch_persistent,
@@ -80,22 +81,6 @@ else:  # Triton 3.6 (the device's)
 # the running products the scaled sweep takes: their reciprocals stay finite and normal
 TINY = gl.constexpr(2.0**-64)
 HUGE = gl.constexpr(2.0**64)
-
-
-@gluon.jit
-def _head_flags(ranks, read_rows, item, H: gl.constexpr, SKETCH_OUT: gl.constexpr, ROWS: gl.constexpr):
-    """Work item ``item``'s head's rank m (with ``SKETCH_OUT``; else 0) and read-copy flag
-    ``read_rows[head]`` (with ``ROWS``; else 0), loaded ahead of their use. Volatile, because a plain load
-    of read-only memory is sunk to its first use: there, behind the head's 64 KB of state stores, each
-    was a round trip to global memory on the critical path (run 79: ~6% of the sketch flush)."""
-    i_h = item % H
-    m = i_h * 0
-    dense = i_h * 0
-    if SKETCH_OUT:
-        m = gl.load(ranks + i_h, volatile=True)
-    if ROWS:
-        dense = gl.load(read_rows + i_h, volatile=True)
-    return m, dense
 
 
 @gluon.jit
