@@ -259,8 +259,10 @@ def _forward(S, kk, ww, dd, bb, FAMILY: tl.constexpr, KAXIS: tl.constexpr):
     return S
 
 
-# A window's decay product below this is folded into the tile (see _forward_scaled)
+# A window's decay product below this is folded into the tile (see _forward_scaled); KDA's chunked
+# flush takes its scaled form while every running product of decays lies in [TINY, HUGE]
 TINY = tl.constexpr(2.0**-64)
+HUGE = tl.constexpr(2.0**64)
 
 
 @triton.jit
@@ -914,14 +916,28 @@ def _flush_chunk_kernel(
         )
         al, al_next = al.to(tl.float32), al_next.to(tl.float32)
         bt = tl.load(buf_beta + hb + o_c, mask=o_c < n, other=0.0).to(tl.float32)
-        rho = tl.cumprod(al_next, 0, reverse=True)
-        total = tl.sum(tl.where(o_c[:, None] == 0, rho * al, 0.0), axis=0)  # B_{n−1} [K]
-        h = _kda_decayed_gram(buf_k, buf_decay, hb, gb, n, o_c, o_k, BC, K)
-        low_t = tl.where(upper, bt[None, :] * h, 0.0)  # Lᵀ
-        xt = _dot_ff(St, tl.trans(k32 * tl.cumprod(al, 0)), tl.zeros((BV, BC), dtype=tl.float32), 3, EMULATE)
-        inv_t = _unit_triangular_inverse(low_t, o_c, LOG2_BC)  # (I + L)⁻ᵀ
-        dt = tl.dot(wt - xt * bt[None, :], inv_t, input_precision="tf32x3")
-        St = _dot_ff(dt, k32 * rho, St * total[None, :], 3, EMULATE)
+        gam = tl.cumprod(al, 0)  # B_j
+        total = tl.sum(tl.where(o_c[:, None] == BC - 1, gam, 0.0), axis=0)  # B_{n−1} [K]
+        if (tl.min(tl.min(gam, axis=1), axis=0) >= TINY) & (tl.max(tl.max(gam, axis=1), axis=0) <= HUGE):
+            # the decays deferred into the running products (kda/flush_sweep.py's scaled sweep, as one
+            # chunk): with S = Diag(B_j) Ŝ, token j is d_j = w_j − Ŝᵀ a_j, Ŝ ← Ŝ + u_j d_jᵀ for a_j =
+            # β_j B_j ⊙ k_j and u_j = k_j / B_j, so D = (I + L)⁻¹ (W − A Ŝ) with L_{ji} = a_j · u_i
+            # (j > i) and S ← Diag(B_{n−1}) (Ŝ + Uᵀ D): no decayed Gram, no per-token decay terms
+            a = bt[:, None] * gam * k32
+            u = k32 / gam
+            low_t = tl.where(upper, tl.dot(u, tl.trans(a), input_precision="tf32x3"), 0.0)  # Lᵀ
+            xt = tl.dot(St, tl.trans(a), input_precision="tf32x3")
+            inv_t = _unit_triangular_inverse(low_t, o_c, LOG2_BC)  # (I + L)⁻ᵀ
+            dt = tl.dot(wt - xt, inv_t, input_precision="tf32x3")
+            St = tl.dot(dt, u, St, input_precision="tf32x3") * total[None, :]
+        else:  # running products out of range (an underflow, a zero decay): per-channel decay terms
+            rho = tl.cumprod(al_next, 0, reverse=True)
+            h = _kda_decayed_gram(buf_k, buf_decay, hb, gb, n, o_c, o_k, BC, K)
+            low_t = tl.where(upper, bt[None, :] * h, 0.0)  # Lᵀ
+            xt = _dot_ff(St, tl.trans(k32 * gam), tl.zeros((BV, BC), dtype=tl.float32), 3, EMULATE)
+            inv_t = _unit_triangular_inverse(low_t, o_c, LOG2_BC)  # (I + L)⁻ᵀ
+            dt = tl.dot(wt - xt * bt[None, :], inv_t, input_precision="tf32x3")
+            St = _dot_ff(dt, k32 * rho, St * total[None, :], 3, EMULATE)
     else:
         # Mamba-2: S ← g_{−1} S + K_bᵀ (g ⊙ W); GDN (UT form): W replaced by
         # D = (I + L)⁻¹ (W − (β⊙γ) K_b S), L_{ji} = β_j (α_{i+1}⋯α_j) G_{ji} (j > i), γ_j = α_0⋯α_j
