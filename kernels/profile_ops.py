@@ -6,8 +6,8 @@ Run from the repository root on a CUDA machine, under Nsight Compute for example
         python3 kernels/profile_ops.py gdn sketch_step
 
 ``OP`` is one of ``standard``, ``replay_step``, ``sketch_step``, ``replay_flush``,
-``sketch_flush``. The window kernels run with ``pos`` = 8 buffered tokens (a mid-window step);
-the flushes with 15. Each op is launched three times (the first compiles), with the default
+``sketch_flush``. The window kernels run with ``pos`` = 8 buffered tokens (a mid-window step;
+``--pos`` sets another), the flushes with 15. Each op is launched three times (the first compiles), with the default
 launch shape except for the fields the options give (``--block-v``, ``--warps``, ``--form``,
 ``--vec``, ``--maxnreg``, ``--group``, ``--dense-rows``, ``--map``, ``--prefetch``, ``--pipelined``
 (the flushes' Gluon kernels: ``_flush_pipelined_kernel``, ``_flush_kda_kernel``), and for
@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("family")
     ap.add_argument("op")
     ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--pos", type=int, help="buffered tokens of the window kernels (default 8)")
     ap.add_argument("--block-v", type=int)
     ap.add_argument("--warps", type=int)
     ap.add_argument("--form", choices=("chunked", "sweep"), help="closed (chunked) or token-by-token form")
@@ -72,7 +73,8 @@ def main() -> None:
                  prefetch=None if args.prefetch is None else args.prefetch == "on",
                  split=args.split, heads=args.heads, dots=args.dots, pipelined=args.pipelined)
     cfg = replace(base, **{k: v for k, v in given.items() if v is not None})  # the default, as overridden
-    pos = torch.full((b,), 15 if "flush" in args.op else 8, dtype=torch.int32, device="cuda")
+    n = 15 if "flush" in args.op else (8 if args.pos is None else args.pos)
+    pos = torch.full((b,), n, dtype=torch.int32, device="cuda")
     for _ in range(3):
         if args.op == "standard":
             decode.standard_step(family, pool.state, slots, x, out, config=cfg)
