@@ -5,10 +5,10 @@ Triton's sweep (``decode._flush_kernel``) runs one program per [K, 16] tile and 
 operations per state element per buffered token: the decay ``S ← Diag(α_j) S``, the dot ``kᵀ S`` and
 the rank-1 update. Every program also rebuilds each token's per-channel terms (keys, decays) for its
 own tile, and no load is in flight while it computes (BENCHMARKS.md). Here a program of
-``num_warps`` warps takes a run of work items, ``pid, pid + programs, …``; a work item is
-``KernelConfig.block_v`` value columns of one head (the default: half a head on 4 warps), each warp
-a band of 16 (or 8) columns. While one item is swept, the next item's state tile, buffered keys,
-decays and values are copied into shared memory (``cp.async``).
+``num_warps`` warps takes whole heads, ``pid, pid + programs, …``, a work item at a time: a work item
+is ``KernelConfig.block_v`` value columns of a head (the default: half a head on 4 warps), each warp a
+band of 16 (or 8) columns, and a head's items follow one another. While one item is swept, the next
+item's state tile, buffered keys, decays and values are copied into shared memory (``cp.async``).
 
 The math: with ``c_j = α_0 ⊙ ⋯ ⊙ α_j`` (per channel, running products) the head's state is held as
 ``S = Diag(c) Ŝ``, and token j (``w_j = β_j v_j``) costs two operations per element:
@@ -17,7 +17,8 @@ The math: with ``c_j = α_0 ⊙ ⋯ ⊙ α_j`` (per channel, running products) t
 
 since ``kᵀ Diag(α_j) S_{j−1} = (c_j ⊙ k_j)ᵀ Ŝ`` and ``Diag(α_j) S_{j−1} + k_j d_jᵀ = Diag(c_j)(Ŝ +
 (k_j / c_j) d_jᵀ)``. The two coefficient rows of every token are built once per head, one channel per
-thread, into shared memory, and the sweep reads them there; ``S = Diag(c_{n−1}) Ŝ`` at the end. The
+thread, into shared memory, by the head's first item; its later items sweep with the same rows.
+``S = Diag(c_{n−1}) Ŝ`` at the end. The
 scale only moves each key row by a factor: the rounding is that of the direct sweep. A window whose
 running products leave [2⁻⁶⁴, 2⁶⁴] (a decay product that underflows, an exact zero) would overflow
 ``k / c``: that head is swept the direct way instead (``Diag(α_j)`` applied at each token, three
@@ -30,8 +31,9 @@ Triton sweep writes it).
 Speed (BENCHMARKS.md, twelfth to fourteenth sessions): KDA's default flush, at half a head per
 program of 4 warps and three programs per SM (168 registers), so that the phases of one program
 (coefficients, sweep, stores, sketch) overlap those of the other two. On the H200 at batch 256 it
-takes 519 µs in sketch mode and 442 µs in replay mode (run 90), against 587 and 494 µs for a whole
-head per program of 8 warps, one per SM, and 630 and 608 µs for Triton's sweep. Within one 8-warp
+takes 504 µs in sketch mode and 437 µs in replay mode (run 93), against 587 and 494 µs for a whole
+head per program of 8 warps, one per SM, and 630 and 608 µs for Triton's sweep. (Before run 93 the
+items were dealt round-robin, each building its head's rows: 519 and 442 µs.) Within one 8-warp
 program the warps ran the head's chains of dependent steps in lockstep, and 0.5 instructions
 issued per scheduler per cycle (0.61 now, run 90). Quarter heads (2 warps, four programs per SM)
 repeat the per-item work too often (630 µs), and so do 8 value columns per warp (641 µs for half a
@@ -147,6 +149,23 @@ def _coefficients(a_smem, k_smem, w_smem, r_smem, b_smem, n, dot_smem, upd_smem,
 
 
 @gluon.jit
+def _nth_item(pid, progs, t, n_mine, n_items, NV: gl.constexpr):
+    """The ``t``-th work item of program ``pid`` (of ``progs``): part ``t % NV`` of its head
+    ``pid + (t // NV) · progs``; ``n_items`` (past the end) once ``t`` reaches ``n_mine``."""
+    return gl.where(t < n_mine, (pid + (t // NV) * progs) * NV + t % NV, n_items)
+
+
+@gluon.jit
+def _take_item(w_smem, r_smem, w_cur, r_cur, LB: gl.constexpr, LF: gl.constexpr, SKETCH_OUT: gl.constexpr):
+    """A head's later item: its values (and with ``SKETCH_OUT`` the frame's first rows, which the
+    previous item's sketch may have replaced by later ones) move out of the copy buffers, as
+    :func:`_coefficients` moves them for a head's first item."""
+    w_cur.store(w_smem.load(LB))
+    if SKETCH_OUT:
+        r_cur.store(r_smem.load(LF))
+
+
+@gluon.jit
 def _flush_kda_sweep_kernel(
     state, slots, pos, q, k, w, decay, beta, skip, out,
     buf_k, buf_w, buf_decay, buf_beta,
@@ -212,32 +231,43 @@ def _flush_kda_sweep_kernel(
     o_k = gl.arange(0, K, ROW)
     o_v = gl.arange(0, VB, COL)
     offs = o_k[:, None] * V + o_v[None, :]
-    s_c, n_c = _entry(slots, pos, pid, n_items, HV)
-    m_c, r_c = _head_flags(ranks, read_rows, pid // NV, H, SKETCH_OUT, ROWS)
-    _issue(state, buf_k, buf_w, buf_decay, buf_beta, m_c, frames, pid, s_c, n_c, s_smem, k_smem, a_smem,
+    # a program takes whole heads, pid, pid + progs, …, and a head's NV items one after the other: the
+    # coefficient rows it builds for the first serve the rest (the same keys, decays and betas)
+    n_mine = ((n_items // NV - pid + progs - 1) // progs) * NV  # this program's items
+    item = _nth_item(pid, progs, 0, n_mine, n_items, NV)
+    s_c, n_c = _entry(slots, pos, item, n_items, HV)
+    m_c, r_c = _head_flags(ranks, read_rows, item // NV, H, SKETCH_OUT, ROWS)
+    _issue(state, buf_k, buf_w, buf_decay, buf_beta, m_c, frames, item, s_c, n_c, s_smem, k_smem, a_smem,
            w_smem, b_smem, r_smem, H, K, V, C, BC, MR, LS, LB, LF, L1, SKETCH_OUT, VB)
-    _, kk, qq, dd, ww, sw, bx = _small_inputs(k, q, w, decay, beta, skip, buf_beta, pid // NV, s_c, n_c,
-                                               (pid % NV) * VB, H, K, V, C, BC, L1, L1, HAS_X, HAS_SKIP, VB)
-    s_n, n_n = _entry(slots, pos, pid + progs, n_items, HV)
-    m_n, r_n = _head_flags(ranks, read_rows, (pid + progs) // NV, H, SKETCH_OUT, ROWS)
-    for item in range(pid, n_items, progs):
+    item_c = gl.where(item < n_items, item, 0)
+    _, kk, qq, dd, ww, sw, bx = _small_inputs(k, q, w, decay, beta, skip, buf_beta, item_c // NV, s_c, n_c,
+                                               (item_c % NV) * VB, H, K, V, C, BC, L1, L1, HAS_X, HAS_SKIP,
+                                               VB)
+    nxt = _nth_item(pid, progs, 1, n_mine, n_items, NV)
+    s_n, n_n = _entry(slots, pos, nxt, n_items, HV)
+    m_n, r_n = _head_flags(ranks, read_rows, nxt // NV, H, SKETCH_OUT, ROWS)
+    fast = n_mine < 0  # (set by each head's first item)
+    for t in range(0, n_mine):
         i_b = item // HV
         i_h = (item // NV) % H
         v0 = (item % NV) * VB  # the item's first value column
         # the loads for the items ahead, issued first: the compiler moves the scalars among them into
         # uniform registers at the next branch, which waits for them (run 87: at the end of the
         # item's start, ~6% of the kernel's warp samples)
-        nxt = item + progs
         nxt_c = gl.where(nxt < n_items, nxt, 0)
         _, kk_n, qq_n, dd_n, ww_n, sw_n, bx_n = _small_inputs(
             k, q, w, decay, beta, skip, buf_beta, nxt_c // NV, s_n, n_n, (nxt_c % NV) * VB, H, K, V, C, BC,
             L1, L1, HAS_X, HAS_SKIP, VB)
-        s_nn, n_nn = _entry(slots, pos, item + 2 * progs, n_items, HV)
-        m_nn, r_nn = _head_flags(ranks, read_rows, (item + 2 * progs) // NV, H, SKETCH_OUT, ROWS)
+        nxt2 = _nth_item(pid, progs, t + 2, n_mine, n_items, NV)
+        s_nn, n_nn = _entry(slots, pos, nxt2, n_items, HV)
+        m_nn, r_nn = _head_flags(ranks, read_rows, nxt2 // NV, H, SKETCH_OUT, ROWS)
         async_copy.wait_group(0)
         _barrier()  # (also: every thread is past the previous item's sweep)
-        fast = _coefficients(a_smem, k_smem, w_smem, r_smem, b_smem, n_c, dot_smem, upd_smem, scale_smem,
-                             w_cur, r_cur, K, BC, LD, LB, LF, SKETCH_OUT)
+        if t % NV == 0:  # a head's first item: its coefficient rows
+            fast = _coefficients(a_smem, k_smem, w_smem, r_smem, b_smem, n_c, dot_smem, upd_smem, scale_smem,
+                                 w_cur, r_cur, K, BC, LD, LB, LF, SKETCH_OUT)
+        else:  # the head's rows are still in place: this item's values (and frame rows) only
+            _take_item(w_smem, r_smem, w_cur, r_cur, LB, LF, SKETCH_OUT)
         S = s_smem.load(LT)
         _barrier()
         # the next head's copies run while this one is swept and stored
@@ -301,6 +331,7 @@ def _flush_kda_sweep_kernel(
                             row_ok = (r + i < m) & (o_v[None, :] < VB)
                             gl.store(sk_h + ((r + i) * V + o_v[None, :]), x.to(sk.dtype.element_ty),
                                      mask=row_ok)
+        item, nxt = nxt, nxt2
         s_c, n_c, s_n, n_n = s_n, n_n, s_nn, n_nn
         m_c, m_n, r_c, r_n = m_n, m_nn, r_n, r_nn
         kk, qq, dd, ww, sw, bx = kk_n, qq_n, dd_n, ww_n, sw_n, bx_n
