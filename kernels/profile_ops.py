@@ -9,11 +9,10 @@ Run from the repository root on a CUDA machine, under Nsight Compute for example
 ``sketch_flush``. The window kernels run with ``pos`` = 8 buffered tokens (a mid-window step;
 ``--pos`` sets another), the flushes with 15. Each op is launched three times (the first
 compiles), with the default launch shape except for the fields the options give (``--block-v``,
-``--warps``, ``--form``,
-``--vec``, ``--maxnreg``, ``--group``, ``--dense-rows``, ``--map``, ``--prefetch``, ``--pipelined``
-(the flushes' Gluon kernels: ``_flush_pipelined_kernel``, ``_flush_kda_kernel``), and for
-Mamba-2's split sketch read ``--split``, ``--heads`` and ``--dots``: its kernels are
-``_group_kernel`` and ``_head_kernel``).
+``--warps``, ``--form``, ``--vec``, ``--maxnreg``, ``--group``, ``--dense-rows``, ``--map``,
+``--prefetch``, ``--pipelined`` (the flushes' Gluon kernels: ``_flush_pipelined_kernel``,
+``_flush_kda_kernel``), and for Mamba-2's split sketch read ``--split``, ``--heads`` and ``--dots``:
+its kernels are ``_group_kernel`` and ``_head_kernel``).
 """
 
 from __future__ import annotations

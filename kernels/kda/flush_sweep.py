@@ -18,11 +18,10 @@ The math: with ``c_j = α_0 ⊙ ⋯ ⊙ α_j`` (per channel, running products) t
 since ``kᵀ Diag(α_j) S_{j−1} = (c_j ⊙ k_j)ᵀ Ŝ`` and ``Diag(α_j) S_{j−1} + k_j d_jᵀ = Diag(c_j)(Ŝ +
 (k_j / c_j) d_jᵀ)``. The two coefficient rows of every token are built once per head, one channel per
 thread, into shared memory, by the head's first item; its later items sweep with the same rows.
-``S = Diag(c_{n−1}) Ŝ`` at the end. The
-scale only moves each key row by a factor: the rounding is that of the direct sweep. A window whose
-running products leave [2⁻⁶⁴, 2⁶⁴] (a decay product that underflows, an exact zero) would overflow
-``k / c``: that head is swept the direct way instead (``Diag(α_j)`` applied at each token, three
-operations per element), from the same shared memory.
+``S = Diag(c_{n−1}) Ŝ`` at the end. The scale only moves each key row by a factor: the rounding is
+that of the direct sweep. A window whose running products leave [2⁻⁶⁴, 2⁶⁴] (a decay product that
+underflows, an exact zero) would overflow ``k / c``: that head is swept the direct way instead
+(``Diag(α_j)`` applied at each token, three operations per element), from the same shared memory.
 
 Then the flush's new token, the state store, the read copy (replay: every head; sketch: the dense
 heads) and the sketch ``R_{:m} S`` (exact fp32 products of R's rows, on the FMA units, as the
@@ -116,6 +115,16 @@ def _issue(
 
 
 @gluon.jit
+def _take_item(w_smem, r_smem, w_cur, r_cur, LB: gl.constexpr, LF: gl.constexpr, SKETCH_OUT: gl.constexpr):
+    """An item's values (and with ``SKETCH_OUT`` its frame's first rows, which the previous item's
+    sketch may have replaced by later ones) move from the copy buffers ``w_smem`` (``r_smem``) to
+    ``w_cur`` (``r_cur``), out of the way of the next item's copies."""
+    w_cur.store(w_smem.load(LB))
+    if SKETCH_OUT:
+        r_cur.store(r_smem.load(LF))
+
+
+@gluon.jit
 def _coefficients(a_smem, k_smem, w_smem, r_smem, b_smem, n, dot_smem, upd_smem, scale_smem, w_cur, r_cur,
                   K: gl.constexpr, BC: gl.constexpr, LD: gl.constexpr, LB: gl.constexpr, LF: gl.constexpr,
                   SKETCH_OUT: gl.constexpr):
@@ -124,12 +133,9 @@ def _coefficients(a_smem, k_smem, w_smem, r_smem, b_smem, n, dot_smem, upd_smem,
     ``β_j c_j ⊙ k_j``, ``k_j / c_j`` and ``c_{n−1}`` when every running product lies in
     [TINY, HUGE] (returns True); else ``α_j``, ``k_j`` and ones, for the direct sweep (returns
     False). One key channel per thread (``LD``: its tokens in registers, so the scan stays in the
-    thread); rows ≥ n are identity tokens (k = 0, α = 1). The values (and with ``SKETCH_OUT`` the
-    frame rows) move from the copy buffers ``w_smem`` (``r_smem``) to ``w_cur`` (``r_cur``), out of
-    the way of the next item's copies."""
-    w_cur.store(w_smem.load(LB))
-    if SKETCH_OUT:
-        r_cur.store(r_smem.load(LF))
+    thread); rows ≥ n are identity tokens (k = 0, α = 1). The item's values (and frame rows) move
+    out of the copy buffers first (:func:`_take_item`)."""
+    _take_item(w_smem, r_smem, w_cur, r_cur, LB, LF, SKETCH_OUT)
     o_c = gl.arange(0, BC, gl.SliceLayout(1, LD))
     al = gl.where(o_c[:, None] < n, a_smem.load(LD), 1.0)
     kf = k_smem.load(LD).to(gl.float32)
@@ -153,16 +159,6 @@ def _nth_item(pid, progs, t, n_mine, n_items, NV: gl.constexpr):
     """The ``t``-th work item of program ``pid`` (of ``progs``): part ``t % NV`` of its head
     ``pid + (t // NV) · progs``; ``n_items`` (past the end) once ``t`` reaches ``n_mine``."""
     return gl.where(t < n_mine, (pid + (t // NV) * progs) * NV + t % NV, n_items)
-
-
-@gluon.jit
-def _take_item(w_smem, r_smem, w_cur, r_cur, LB: gl.constexpr, LF: gl.constexpr, SKETCH_OUT: gl.constexpr):
-    """A head's later item: its values (and with ``SKETCH_OUT`` the frame's first rows, which the
-    previous item's sketch may have replaced by later ones) move out of the copy buffers, as
-    :func:`_coefficients` moves them for a head's first item."""
-    w_cur.store(w_smem.load(LB))
-    if SKETCH_OUT:
-        r_cur.store(r_smem.load(LF))
 
 
 @gluon.jit
