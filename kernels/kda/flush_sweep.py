@@ -49,6 +49,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
+# the running products the scaled sweep takes (as the chunked flush's scaled form): their
+# reciprocals stay finite and normal
+from sketchcal.kernels.common.decode import HUGE, TINY
 from sketchcal.kernels.common.flush_pipelined import (
     _async_load,
     _barrier,
@@ -77,11 +80,6 @@ else:  # Triton 3.6 (the device's)
     def _rows(plane, R: gl.constexpr, N: gl.constexpr, layout: gl.constexpr):
         """The plane [R, N] viewed as [R, 1, N]: ``.index(j)`` is then row j as [1, N], at a dynamic j."""
         return plane._reinterpret(plane.dtype, [R, 1, N], layout)
-
-
-# the running products the scaled sweep takes: their reciprocals stay finite and normal
-TINY = gl.constexpr(2.0**-64)
-HUGE = gl.constexpr(2.0**64)
 
 
 @gluon.jit
