@@ -86,35 +86,57 @@ TUNE_CANDIDATES: dict[str, dict[str, list[KernelConfig]]] = {
         # groups of 3-8 cut the dependent load round trips of a long buffer at ≤ 72 registers
         # (and the buffer prefetched into L2 first: GDN's default; for Mamba-2 it won 0.5% at batch
         # 256 and lost 4% at batch 64)
-        "mamba2": [_K(64, 1, False, maxnreg=cap, group=g, dense_rows=16, early_map=False, prefetch=pf)
-                   for cap, g, pf in ((64, 4, False), (64, 6, False), (64, 8, False), (64, 8, True))]
+        "mamba2": [
+            _K(64, 1, False, maxnreg=cap, group=g, dense_rows=16, early_map=False, prefetch=pf)
+            for cap, g, pf in ((64, 4, False), (64, 6, False), (64, 8, False), (64, 8, True))
+        ]
         # the split read (read_split.py): the coefficients once per key group (and the dots, or
         # the head kernel computes them), then the heads' sums, 4 heads per program (the one-kernel
         # fields serve spec_verify)
-        + [_K(64, 1, False, maxnreg=64, group=8, dense_rows=16, early_map=False, split=2, heads=4, dots=d)
-           for d in (2, 0)],
+        + [
+            _K(64, 1, False, maxnreg=64, group=8, dense_rows=16, early_map=False, split=2, heads=4, dots=d)
+            for d in (2, 0)
+        ],
         # one program per head (V = 128): the sweep is done once, not once per half
-        "gdn": [_K(128, 1, False, maxnreg=cap, group=g, dense_rows=16, early_map=False, prefetch=pf)
-                for cap, g, pf in ((64, 2, False), (64, 3, False), (72, 4, False), (64, 6, False),
-                                   (64, 6, True))],
+        "gdn": [
+            _K(128, 1, False, maxnreg=cap, group=g, dense_rows=16, early_map=False, prefetch=pf)
+            for cap, g, pf in ((64, 2, False), (64, 3, False), (72, 4, False), (64, 6, False), (64, 6, True))
+        ],
         # (groups of 4 and 6 fit in 72 registers too: tried again now that a buffered token's
         # decays are read as bf16 log₂, half the bytes of each group's loads)
-        "kda": [_K(128, 1, True, maxnreg=cap, group=g, dense_rows=16, early_map=False)
-                for cap, g in ((64, 2), (72, 2), (72, 3), (72, 4), (72, 6))],
+        "kda": [
+            _K(128, 1, True, maxnreg=cap, group=g, dense_rows=16, early_map=False)
+            for cap, g in ((64, 2), (72, 2), (72, 3), (72, 4), (72, 6))
+        ],
     },
     "flush": {
         # the chunked (tensor-core) flush on Sᵀ tiles (a register cap trades a few spills for more
         # resident warps), Mamba-2's persistent Gluon form of it, and the token-by-token sweeps
-        "mamba2": [_K(64, 4), _K(64, 4, maxnreg=128), _K(64, 4, maxnreg=120), _K(16, 1, False, 2, 96),
-                   _K(64, 4, maxnreg=168, pipelined=3)],
-        "gdn": [_K(64, 4, maxnreg=168), _K(16, 1, False, 4), _K(16, 1, False, 2),
-                _K(16, 1, False, 2, prefetch=True)],
+        "mamba2": [
+            _K(64, 4),
+            _K(64, 4, maxnreg=128),
+            _K(64, 4, maxnreg=120),
+            _K(16, 1, False, 2, 96),
+            _K(64, 4, maxnreg=168, pipelined=3),
+        ],
+        "gdn": [
+            _K(64, 4, maxnreg=168),
+            _K(16, 1, False, 4),
+            _K(16, 1, False, 2),
+            _K(16, 1, False, 2, prefetch=True),
+        ],
         # (KDA: the Triton sweep, the UT fold on tensor cores, and the persistent sweep with deferred
         # decays of flush_sweep.py: a head per program of 8 warps, or half a head per program of 4; at
         # 8 value columns per warp it was slower, BENCHMARKS.md, fourteenth session)
-        "kda": [_K(16, 1, False, 4, 128), _K(16, 1, False, 2), _K(32, 2, False, 4), _K(128, 8, pipelined=1),
-                _K(128, 8, False, pipelined=1), _K(64, 4, False, pipelined=2),
-                _K(64, 4, False, maxnreg=168, pipelined=3)],
+        "kda": [
+            _K(16, 1, False, 4, 128),
+            _K(16, 1, False, 2),
+            _K(32, 2, False, 4),
+            _K(128, 8, pipelined=1),
+            _K(128, 8, False, pipelined=1),
+            _K(64, 4, False, pipelined=2),
+            _K(64, 4, False, maxnreg=168, pipelined=3),
+        ],
     },
 }
 
@@ -138,16 +160,30 @@ def parse_config(text: str) -> KernelConfig:
     ``64,4,cap=128``: the fields and names of BENCHMARKS.md's shape tables (``cap`` is ``maxnreg``,
     ``rows`` is ``dense_rows``, ``pipe`` is ``pipelined``)."""
     words = [w.strip() for w in text.split(",") if w.strip()]
-    keys = {"vec": "vec", "cap": "maxnreg", "group": "group", "rows": "dense_rows", "pipe": "pipelined",
-            "split": "split", "heads": "heads", "dots": "dots"}
+    keys = {
+        "vec": "vec",
+        "cap": "maxnreg",
+        "group": "group",
+        "rows": "dense_rows",
+        "pipe": "pipelined",
+        "split": "split",
+        "heads": "heads",
+        "dots": "dots",
+    }
     try:
         bv, warps, *rest = words
         opts = {keys[k]: int(v) for k, v in (w.split("=", 1) for w in rest if "=" in w)}
         flags = {w for w in rest if "=" not in w}
         if flags - {"sweep", "chunked", "late_map", "prefetch"} or {"sweep", "chunked"} <= flags:
             raise ValueError(flags)
-        return KernelConfig(int(bv), int(warps), chunked="sweep" not in flags,
-                            early_map="late_map" not in flags, prefetch="prefetch" in flags, **opts)
+        return KernelConfig(
+            int(bv),
+            int(warps),
+            chunked="sweep" not in flags,
+            early_map="late_map" not in flags,
+            prefetch="prefetch" in flags,
+            **opts,
+        )
     except (ValueError, KeyError) as err:
         raise SketchcalError(
             f"launch shape {text!r}: expected BV,WARPS[,sweep|chunked][,vec=N][,cap=N][,group=N]"
@@ -545,13 +581,23 @@ def run_bench(
 
         return fn
 
-    lanes = [
-        (fs, random_inputs(family, len(fs), 1, h, g, kd, vd, device=dev),
-         rs, rp, random_inputs(family, len(rs), 1, h, g, kd, vd, device=dev))
-        for fs, rs, rp in staggered_schedule(slots, window)
-    ] if staggered else []
-    lane_outs = [[(torch.empty_like(fx.w), torch.empty_like(rx.w)) for _, fx, _, _, rx in lanes]
-                 for _ in plist]
+    lanes = (
+        [
+            (
+                fs,
+                random_inputs(family, len(fs), 1, h, g, kd, vd, device=dev),
+                rs,
+                rp,
+                random_inputs(family, len(rs), 1, h, g, kd, vd, device=dev),
+            )
+            for fs, rs, rp in staggered_schedule(slots, window)
+        ]
+        if staggered
+        else []
+    )
+    lane_outs = [
+        [(torch.empty_like(fx.w), torch.empty_like(rx.w)) for _, fx, _, _, rx in lanes] for _ in plist
+    ]
     side = torch.cuda.Stream() if cuda and staggered else None
 
     def staggered_fn(sketch: bool, overlap: bool) -> Callable[[], None]:
@@ -571,8 +617,9 @@ def run_bench(
                         side.wait_stream(fork)
                     with torch.cuda.stream(side) if fork is not None else contextlib.nullcontext():
                         if len(fslots):
-                            decode.flush(family, pool, fslots, last[: len(fslots)], fx, fo, tables=tab,
-                                         config=c_flush)
+                            decode.flush(
+                                family, pool, fslots, last[: len(fslots)], fx, fo, tables=tab, config=c_flush
+                            )
                     if len(rslots):
                         decode.spec_verify(family, pool, rslots, rpos, rx, ro, tables=tab, config=c_read)
                     if fork is not None:
@@ -616,8 +663,15 @@ def run_bench(
             cfg[kernel] = best[1]
             tuning[kernel] = [dict(us=round(t, 2), **asdict(c)) for t, c in trials]
 
-    bm = ByteModel(family, batch, shape, ranks, read_bytes=_nbytes(rd),
-                   split=family == "mamba2" and cfg["sketch"].split > 0, split_dots=cfg["sketch"].dots > 0)
+    bm = ByteModel(
+        family,
+        batch,
+        shape,
+        ranks,
+        read_bytes=_nbytes(rd),
+        split=family == "mamba2" and cfg["sketch"].split > 0,
+        split_dots=cfg["sketch"].dots > 0,
+    )
     copy_tbps = copy_bandwidth(dev) if cuda else float("nan")
     ops: dict[str, dict] = {}
 

@@ -41,7 +41,8 @@ def bootstrap() -> None:
     pkg.__path__ = [str(ROOT / "sketchcal")]
     sys.modules.setdefault("sketchcal", pkg)
     spec = importlib.util.spec_from_file_location(
-        "sketchcal.kernels", ROOT / "kernels" / "__init__.py",
+        "sketchcal.kernels",
+        ROOT / "kernels" / "__init__.py",
         submodule_search_locations=[str(ROOT / "kernels")],
     )
     mod = importlib.util.module_from_spec(spec)
@@ -135,8 +136,11 @@ def probe(family: str, kernel: str, shapes: list[str], batch: int = 256) -> dict
     for err in r["tuning"].get("errors", []):
         print(f"{family} {kernel} failed: {err}", flush=True)
     s = r["speedups"]
-    print(f"{family} B={batch}: windows with the fastest: replay {s['replay_vs_standard']:.2f}x, "
-          f"sketch {s['sketch_vs_standard']:.2f}x", flush=True)
+    print(
+        f"{family} B={batch}: windows with the fastest: replay {s['replay_vs_standard']:.2f}x, "
+        f"sketch {s['sketch_vs_standard']:.2f}x",
+        flush=True,
+    )
     (out_dir() / f"probe_{family}_{kernel}.json").write_text(json.dumps(r, indent=1, default=str))
     return r
 
@@ -165,8 +169,11 @@ def run_benches(
             print_bench(r256)
             results.append(r256)
             configs = {k: KernelConfig(**v) for k, v in r256["configs"].items()}
-            print(f"{family}: tuned {r256['configs']} in {time.time() - t0:.0f}s; "
-                  f"anchor diff {r256['anchor_rel_diff']} {r256['anchor_note']}", flush=True)
+            print(
+                f"{family}: tuned {r256['configs']} in {time.time() - t0:.0f}s; "
+                f"anchor diff {r256['anchor_rel_diff']} {r256['anchor_note']}",
+                flush=True,
+            )
             print(f"{family}: tuning {json.dumps(r256['tuning'])}", flush=True)
             for batch in batches:
                 r = run_bench(family, batch, configs=configs)

@@ -63,15 +63,29 @@ def main() -> None:
     slots = torch.arange(b, dtype=torch.int32, device="cuda")
     x = random_inputs(family, b, 1, h, g, kd, vd, device="cuda")
     out = torch.empty_like(x.w)
-    kind = {"standard": "standard", "replay_step": "replay", "sketch_step": "sketch",
-            "replay_flush": "flush_replay", "sketch_flush": "flush_sketch"}[args.op]
+    kind = {
+        "standard": "standard",
+        "replay_step": "replay",
+        "sketch_step": "sketch",
+        "replay_flush": "flush_replay",
+        "sketch_flush": "flush_sketch",
+    }[args.op]
     base = decode.default_config(kind, family)
-    given = dict(block_v=args.block_v, num_warps=args.warps, vec=args.vec, maxnreg=args.maxnreg,
-                 group=args.group, dense_rows=args.dense_rows,
-                 chunked=None if args.form is None else args.form == "chunked",
-                 early_map=None if args.map is None else args.map == "early",
-                 prefetch=None if args.prefetch is None else args.prefetch == "on",
-                 split=args.split, heads=args.heads, dots=args.dots, pipelined=args.pipelined)
+    given = dict(
+        block_v=args.block_v,
+        num_warps=args.warps,
+        vec=args.vec,
+        maxnreg=args.maxnreg,
+        group=args.group,
+        dense_rows=args.dense_rows,
+        chunked=None if args.form is None else args.form == "chunked",
+        early_map=None if args.map is None else args.map == "early",
+        prefetch=None if args.prefetch is None else args.prefetch == "on",
+        split=args.split,
+        heads=args.heads,
+        dots=args.dots,
+        pipelined=args.pipelined,
+    )
     cfg = replace(base, **{k: v for k, v in given.items() if v is not None})  # the default, as overridden
     n = 15 if "flush" in args.op else (8 if args.pos is None else args.pos)
     pos = torch.full((b,), n, dtype=torch.int32, device="cuda")

@@ -36,11 +36,28 @@ from sketchcal.kernels.common import decode as D
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTR = {
-    "slots": "*i32", "pos": "*i32", "ranks": "*i32", "read_rows": "*i32",
-    "q": "*bf16", "k": "*bf16", "w": "*bf16", "skip": "*bf16", "out": "*bf16",
-    "buf_k": "*bf16", "buf_w": "*bf16", "buf_logdecay": "*bf16", "rd": "*bf16", "sk": "*bf16",
-    "frames": "*fp32", "maps": "*fp32", "frame_terms": "*bf16",
-    "sk_head_stride": "i32", "n_items": "i32", "B": "i32", "group_cols": "*i32", "group_width": "*i32",
+    "slots": "*i32",
+    "pos": "*i32",
+    "ranks": "*i32",
+    "read_rows": "*i32",
+    "q": "*bf16",
+    "k": "*bf16",
+    "w": "*bf16",
+    "skip": "*bf16",
+    "out": "*bf16",
+    "buf_k": "*bf16",
+    "buf_w": "*bf16",
+    "buf_logdecay": "*bf16",
+    "rd": "*bf16",
+    "sk": "*bf16",
+    "frames": "*fp32",
+    "maps": "*fp32",
+    "frame_terms": "*bf16",
+    "sk_head_stride": "i32",
+    "n_items": "i32",
+    "B": "i32",
+    "group_cols": "*i32",
+    "group_width": "*i32",
 }
 
 
@@ -49,8 +66,11 @@ def _compile(fn, consts: dict, cfg: D.KernelConfig, gluon: bool = False):
         consts = dict(consts, PDL=True)
     sig = {n: "constexpr" if n in consts else PTR.get(n, "*fp32") for n in fn.arg_names}
     # as at a real launch: every pointer (torch allocations) and the strides are 16-divisible
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n not in consts and n != "n_items"}
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, n in enumerate(fn.arg_names)
+        if n not in consts and n != "n_items"
+    }
     source = (GluonASTSource if gluon else ASTSource)(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     options = D._launch_options(cfg) if gluon else dict(D._launch_options(cfg), launch_pdl=True)
     return triton.compile(source, target=TARGET, options=options)
@@ -62,8 +82,9 @@ def build(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True, to
     s = MODEL_SHAPES[family]
     fam = D.FAMILY_ID[family]
     bv = min(cfg.block_v, s.value_dim)
-    common = dict(H=s.heads, G=s.groups, K=s.key_dim, V=s.value_dim, BV=bv, FAMILY=fam,
-                  HAS_SKIP=family == "mamba2")
+    common = dict(
+        H=s.heads, G=s.groups, K=s.key_dim, V=s.value_dim, BV=bv, FAMILY=fam, HAS_SKIP=family == "mamba2"
+    )
     if kernel == "standard":
         return _compile(D._standard_kernel, dict(T=tokens, **common), cfg)
     if kernel in ("split_group", "split_heads"):  # Mamba-2's split sketch read (read_split.py), bf16
@@ -78,17 +99,41 @@ def build(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True, to
         clip = RS._dividing_power_of_two  # heads and dots as the launchers clip them
         if kernel == "split_group":
             consts = {n: v for n, v in layout.items() if n != "M"}
-            consts.update(R=r, RB=RS.COLUMNS, BB=RS.ROWS, DG=clip(max(cfg.dots, 1), s.groups),
-                          NO_DOTS=cfg.dots == 0, Q_BF16=True, EMULATE=False)
+            consts.update(
+                R=r,
+                RB=RS.COLUMNS,
+                BB=RS.ROWS,
+                DG=clip(max(cfg.dots, 1), s.groups),
+                NO_DOTS=cfg.dots == 0,
+                Q_BF16=True,
+                EMULATE=False,
+            )
             return _compile(RS._group_kernel, consts, D.KernelConfig(1, cfg.split))
-        consts = dict(layout, H=s.heads, V=s.value_dim, BV=bv, HP=clip(cfg.heads, hg),
-                      DOTS_HERE=cfg.dots == 0, HAS_SKIP=True, DENSE_ROWS=min(cfg.dense_rows, s.key_dim))
+        consts = dict(
+            layout,
+            H=s.heads,
+            V=s.value_dim,
+            BV=bv,
+            HP=clip(cfg.heads, hg),
+            DOTS_HERE=cfg.dots == 0,
+            HAS_SKIP=True,
+            DENSE_ROWS=min(cfg.dense_rows, s.key_dim),
+        )
         return _compile(RS._head_kernel, consts, D.KernelConfig(1, cfg.num_warps))
     if kernel == "read":
         # as the benchmark's bf16 pools: KDA's reads take the log₂ decays
-        consts = dict(T=tokens, C=16, BC=16, M=32, SKETCH=sketch, K_BF16=True, EMULATE=False,
-                      LOG2_DECAY=family == "kda",
-                      **D._read_options(cfg, s.key_dim), **common)
+        consts = dict(
+            T=tokens,
+            C=16,
+            BC=16,
+            M=32,
+            SKETCH=sketch,
+            K_BF16=True,
+            EMULATE=False,
+            LOG2_DECAY=family == "kda",
+            **D._read_options(cfg, s.key_dim),
+            **common,
+        )
         return _compile(D._read_kernel, consts, cfg)
     consts = dict(C=16, HAS_X=True, HAS_READ=True, ROWS=sketch, SKETCH_OUT=sketch, **common)
     if cfg.pipelined and family == "mamba2":
@@ -110,8 +155,9 @@ def build(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True, to
         consts.update(BC=16, SKETCH_TERMS=D.sketch_terms(torch.bfloat16))
         return _compile(PK._flush_kda_kernel, consts, cfg, gluon=True)
     if cfg.chunked:
-        consts.update(BC=16, LOG2_BC=4, K_BF16=True, SKETCH_TERMS=D.sketch_terms(torch.bfloat16),
-                      EMULATE=False)
+        consts.update(
+            BC=16, LOG2_BC=4, K_BF16=True, SKETCH_TERMS=D.sketch_terms(torch.bfloat16), EMULATE=False
+        )
         return _compile(D._flush_chunk_kernel, consts, cfg)
     return _compile(D._flush_kernel, dict(VEC=cfg.vec, PREFETCH=D._prefetch(cfg), **consts), cfg)
 
@@ -122,8 +168,9 @@ def resource_usage(cubin: bytes) -> tuple[int, int]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
         fh.write(cubin)
         fh.flush()
-        text = subprocess.run([str(tool), "--dump-resource-usage", fh.name], capture_output=True,
-                              text=True, check=True).stdout
+        text = subprocess.run(
+            [str(tool), "--dump-resource-usage", fh.name], capture_output=True, text=True, check=True
+        ).stdout
     regs = int(re.search(r"REG:(\d+)", text).group(1))
     stack = int(re.search(r"STACK:(\d+)", text).group(1))
     return regs, stack
@@ -143,8 +190,10 @@ def report(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True) -
     extra += "" if cfg.early_map else " late_map"
     extra += " prefetch" if cfg.prefetch else ""
     extra += f" split={cfg.split} heads={cfg.heads} dots={cfg.dots}" if cfg.split else ""
-    return (f"{kernel:8s} {family:6s} {mode:6s} BV={cfg.block_v:<3d} warps={cfg.num_warps} {form:7s}"
-            f"{extra:14s} regs={regs:3d} stack={spills:5d}B  occupancy≤{warps}/64 warps")
+    return (
+        f"{kernel:8s} {family:6s} {mode:6s} BV={cfg.block_v:<3d} warps={cfg.num_warps} {form:7s}"
+        f"{extra:14s} regs={regs:3d} stack={spills:5d}B  occupancy≤{warps}/64 warps"
+    )
 
 
 def builds() -> list[tuple[str, str, D.KernelConfig, bool, int]]:
@@ -188,8 +237,10 @@ def check() -> int:
             failed += 1
             first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             mode = "sketch" if sketch else "replay"
-            print(f"FAILED {kernel} {family} {mode} tokens={tokens} {cfg}: {type(e).__name__}: {first}",
-                  flush=True)
+            print(
+                f"FAILED {kernel} {family} {mode} tokens={tokens} {cfg}: {type(e).__name__}: {first}",
+                flush=True,
+            )
     print(f"{len(todo) - failed} of {len(todo)} builds compiled", flush=True)
     return failed
 

@@ -60,8 +60,12 @@ def write(tok: Tokenizer, out: Path) -> None:
     tok.save(str(out / "tokenizer.json"), pretty=False)
     added = {
         str(tok.token_to_id(t)): {
-            "content": t, "lstrip": False, "normalized": False, "rstrip": False,
-            "single_word": False, "special": True,
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
         }
         for t in SPECIAL_TOKENS
     }

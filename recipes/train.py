@@ -1064,44 +1064,44 @@ pipeline_tag: text-generation
 tags:
 - sketchcal
 - hybrid
-- {m['family']}
-- {m['model_type']}
+- {m["family"]}
+- {m["model_type"]}
 - tiny
 ---
 
-# {m['name']}
+# {m["name"]}
 
-{m['description'].strip()}
+{m["description"].strip()}
 
-A tiny **{m['architecture']}** (`{m['model_type']}`, a stock transformers architecture) trained from
+A tiny **{m["architecture"]}** (`{m["model_type"]}`, a stock transformers architecture) trained from
 scratch by sketchcal's `recipes/train.py` as the built-in demo model of the {fam} family. It exists to
 exercise calibration, conversion and verification offline; it is not a useful language model.
 
 | | |
 |---|---|
-| parameters | {m['parameters']:,} ({m['size_bytes'] / 2**20:.2f} MiB bf16 safetensors) |
-| layers | {m['num_hidden_layers']}, hidden size {m['hidden_size']} |
+| parameters | {m["parameters"]:,} ({m["size_bytes"] / 2**20:.2f} MiB bf16 safetensors) |
+| layers | {m["num_hidden_layers"]}, hidden size {m["hidden_size"]} |
 | recurrent layers | {recurrent} |
-| vocabulary | {m['vocab_size']} (byte-level BPE, the tokenizer of `sketchcal/assets/tokenizer`) |
+| vocabulary | {m["vocab_size"]} (byte-level BPE, the tokenizer of `sketchcal/assets/tokenizer`) |
 
 ## Training
 
-- Data, per batch: {data['corpus_fraction']:.0%} random text windows ({text_mix}, PSF licence),
-  {data['recall_fraction']:.0%} synthetic associative recall:
-  {task['prefix'][0]}-{task['prefix'][1]} tokens of text,
-  {task['pairs'][0]}-{task['pairs'][1]} key-value pairs of whole-word tokens{ramp}, then queries `key value`
+- Data, per batch: {data["corpus_fraction"]:.0%} random text windows ({text_mix}, PSF licence),
+  {data["recall_fraction"]:.0%} synthetic associative recall:
+  {task["prefix"][0]}-{task["prefix"][1]} tokens of text,
+  {task["pairs"][0]}-{task["pairs"][1]} key-value pairs of whole-word tokens{ramp}, then queries `key value`
   to the end of the sequence (loss on the queried values only).
-- {m['steps']} steps{budget} of {m['batch_size']} × {m['seq_len']} tokens ({m['tokens']:,} tokens);
-  AdamW lr {o['lr']}, betas {o['betas']}, weight decay {o['weight_decay']}, {o['warmup_steps']} warm-up
-  steps, cosine to {o['min_lr_ratio']} × lr, gradient clip {o['grad_clip']}; seed {m['seed']}.
-- {m['device_name']}, {m['autocast_dtype']} compute, {m['train_seconds']:.0f} s
-  ({m['tokens_per_second']:,.0f} tokens/s); mixers: {m['kernels']}.
+- {m["steps"]} steps{budget} of {m["batch_size"]} × {m["seq_len"]} tokens ({m["tokens"]:,} tokens);
+  AdamW lr {o["lr"]}, betas {o["betas"]}, weight decay {o["weight_decay"]}, {o["warmup_steps"]} warm-up
+  steps, cosine to {o["min_lr_ratio"]} × lr, gradient clip {o["grad_clip"]}; seed {m["seed"]}.
+- {m["device_name"]}, {m["autocast_dtype"]} compute, {m["train_seconds"]:.0f} s
+  ({m["tokens_per_second"]:,.0f} tokens/s); mixers: {m["kernels"]}.
 
 ## Evaluation
 
-Held-out loss on `{data['heldout']}` (standard-library packages not in the training split),
-{m['heldout']['tokens']:,} tokens: **{m['heldout']['loss']:.4f}** nats/token (perplexity
-{m['heldout']['perplexity']:.2f}; a uniform guess scores {m['heldout']['uniform_loss']:.4f}).
+Held-out loss on `{data["heldout"]}` (standard-library packages not in the training split),
+{m["heldout"]["tokens"]:,} tokens: **{m["heldout"]["loss"]:.4f}** nats/token (perplexity
+{m["heldout"]["perplexity"]:.2f}; a uniform guess scores {m["heldout"]["uniform_loss"]:.4f}).
 
 Associative recall, the task of `sketchcal verify`: top-1 accuracy of the value after each queried
 key. Chance is one of the pairs' values (in context) or one of the whole-word tokens (vocabulary).
@@ -1113,7 +1113,7 @@ key. Chance is one of the pairs' values (in context) or one of the whole-word to
 ## Reproduce
 
 ```
-{m['reproduce']}
+{m["reproduce"]}
 ```
 """
 
@@ -1329,8 +1329,9 @@ def run(
     metrics = write_output(out, model, tokenizer_dir, metrics, _DTYPES[recipe.output.dtype])
     _log(
         f"wrote {out}: held-out loss {metrics['heldout']['loss']:.4f}, recall "
-        + ", ".join(f"{r['accuracy']:.3f} ({r['pairs']} pairs, chance {r['chance_in_context']:.3f})"
-                    for r in recall)
+        + ", ".join(
+            f"{r['accuracy']:.3f} ({r['pairs']} pairs, chance {r['chance_in_context']:.3f})" for r in recall
+        )
         + f", {metrics['size_bytes'] / 2**20:.2f} MiB, {result.train_seconds:.0f} s training"
     )
     return metrics
@@ -1343,14 +1344,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--max-steps", type=int, default=None, help="override train.steps")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default: the recipe's)")
     parser.add_argument(
-        "--time-budget", type=float, default=None, metavar="SECONDS",
+        "--time-budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
         help="cap the training loop's wall time: the step count is fixed from the measured step time",
     )
     parser.add_argument(
         "--torch-path", action="store_true", help="torch reference mixers on CUDA too (no fla / mamba_ssm)"
     )
     parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
         help="override a recipe value (YAML syntax), e.g. --set train.batch_size=4; repeatable",
     )
     parser.add_argument("--no-progress", action="store_true", help="no live progress bar (log lines only)")

@@ -184,8 +184,17 @@ def bench(
 
     if family not in ("mamba2", "gdn", "kda"):
         raise SketchcalError(f"unknown --family {family!r}; choose mamba2, gdn or kda")
-    run(family, batch, rank, window, read_dtype, pools, tune, None if json_out is None else str(json_out),
-        staggered)
+    run(
+        family,
+        batch,
+        rank,
+        window,
+        read_dtype,
+        pools,
+        tune,
+        None if json_out is None else str(json_out),
+        staggered,
+    )
 
 
 @app.command()

@@ -131,12 +131,32 @@ def test_train_end_to_end(train, tmp_path):
 
     out = tmp_path / "tiny-gdn"
     args = [
-        str(RECIPES / "gdn.yaml"), "--device", "cpu", "--max-steps", "2", "--out", str(out), "--no-progress",
-        "--set", "train.batch_size=2", "--set", "train.seq_len=32", "--set", "train.log_every=1",
-        "--set", "recall.pairs=[2, 8]", "--set", "recall.prefix=[0, 4]",
-        "--set", "eval.heldout_windows=2", "--set", "eval.periodic_windows=1",
-        "--set", "eval.periodic_recall_samples=2",
-        "--set", "eval.recall=[{prompt: 8, tokens: 16, samples: 2}]",
+        str(RECIPES / "gdn.yaml"),
+        "--device",
+        "cpu",
+        "--max-steps",
+        "2",
+        "--out",
+        str(out),
+        "--no-progress",
+        "--set",
+        "train.batch_size=2",
+        "--set",
+        "train.seq_len=32",
+        "--set",
+        "train.log_every=1",
+        "--set",
+        "recall.pairs=[2, 8]",
+        "--set",
+        "recall.prefix=[0, 4]",
+        "--set",
+        "eval.heldout_windows=2",
+        "--set",
+        "eval.periodic_windows=1",
+        "--set",
+        "eval.periodic_recall_samples=2",
+        "--set",
+        "eval.recall=[{prompt: 8, tokens: 16, samples: 2}]",
     ]
     metrics = train.main(args)
     files = {p.name for p in out.iterdir()}
@@ -145,8 +165,22 @@ def test_train_end_to_end(train, tmp_path):
     assert (out / "model.safetensors").stat().st_size <= 15 * MIB
     saved = json.loads((out / "metrics.json").read_text())
     assert saved["heldout"]["loss"] == metrics["heldout"]["loss"]
-    for key in ("family", "architecture", "parameters", "size_bytes", "steps", "tokens", "train_seconds",
-                "tokens_per_second", "history", "evals", "recipe", "seed", "kernels", "layers"):
+    for key in (
+        "family",
+        "architecture",
+        "parameters",
+        "size_bytes",
+        "steps",
+        "tokens",
+        "train_seconds",
+        "tokens_per_second",
+        "history",
+        "evals",
+        "recipe",
+        "seed",
+        "kernels",
+        "layers",
+    ):
         assert key in saved, key
     assert saved["steps"] == 2 and saved["family"] == "gdn" and saved["seed"] == 0
     assert set(saved["heldout"]) >= {"loss", "perplexity", "tokens", "uniform_loss"}
@@ -174,9 +208,15 @@ def test_train_end_to_end(train, tmp_path):
 
 def test_curriculum_raises_the_pair_count(train, tokenizer):
     """Batch b of a curriculum over R batches draws at most lo + (hi - lo) * b // R pairs; after it, hi."""
-    overrides = ["train.batch_size=16", "train.seq_len=256", "data.corpus_fraction=0.0",
-                 "data.recall_fraction=1.0", "recall.pairs=[1, 64]", "recall.prefix=[0, 0]",
-                 "recall.curriculum_steps=4"]
+    overrides = [
+        "train.batch_size=16",
+        "train.seq_len=256",
+        "data.corpus_fraction=0.0",
+        "data.recall_fraction=1.0",
+        "recall.pairs=[1, 64]",
+        "recall.prefix=[0, 0]",
+        "recall.curriculum_steps=4",
+    ]
     recipe = train.load_recipe(RECIPES / "mamba2.yaml", overrides)
     gen = train.RecallGenerator(recipe.recall, train.candidate_tokens(tokenizer, "words", 3), 0)
     drawn: list[int] = []

@@ -9,8 +9,11 @@ import json
 import sys
 from pathlib import Path
 
-FAMILIES = {"gdn": "tiny-gdn (Qwen3.5-style GDN)", "mamba2": "tiny-mamba2 (Nemotron-H-style Mamba-2)",
-            "kda": "tiny-kda (Kimi-Linear-style KDA)"}
+FAMILIES = {
+    "gdn": "tiny-gdn (Qwen3.5-style GDN)",
+    "mamba2": "tiny-mamba2 (Nemotron-H-style Mamba-2)",
+    "kda": "tiny-kda (Kimi-Linear-style KDA)",
+}
 RANKS = (4, 8, 16)
 
 

@@ -139,8 +139,14 @@ class KernelConfig:
     dots: int = 1
 
     def __post_init__(self) -> None:
-        for name, zero_ok in (("block_v", False), ("num_warps", False), ("dense_rows", True), ("split", True),
-                              ("heads", False), ("dots", True)):
+        for name, zero_ok in (
+            ("block_v", False),
+            ("num_warps", False),
+            ("dense_rows", True),
+            ("split", True),
+            ("heads", False),
+            ("dots", True),
+        ):
             n = getattr(self, name)
             if n < 0 or n & (n - 1) or (n == 0 and not zero_ok):
                 allowed = "a power of two" + (" or 0" if zero_ok else "")
@@ -218,8 +224,20 @@ def default_config(kernel: str, family: str, read_dtype: torch.dtype | None = No
 
 @triton.jit
 def _load_token(
-    k, w, decay, beta, k_off, w_off, h_off, o_k, o_v, live,
-    K: tl.constexpr, V: tl.constexpr, FAMILY: tl.constexpr, LOG2_DECAY: tl.constexpr = False,
+    k,
+    w,
+    decay,
+    beta,
+    k_off,
+    w_off,
+    h_off,
+    o_k,
+    o_v,
+    live,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    FAMILY: tl.constexpr,
+    LOG2_DECAY: tl.constexpr = False,
 ):
     """One token's (k [K], w [BV], decay, beta) as fp32; a masked-off token (``live`` False)
     comes back as the identity transition (k = w = 0, decay = 1, beta = 0). ``LOG2_DECAY`` (KDA):
@@ -311,8 +329,21 @@ def _backward(v, c, kk, dd, bb, FAMILY: tl.constexpr):
 
 @triton.jit
 def _sweep_buffered(
-    v, c, acc, k_g, w_h, decay_h, beta_h, j, live, o_k, o_v,
-    K: tl.constexpr, V: tl.constexpr, FAMILY: tl.constexpr, LOG2_DECAY: tl.constexpr,
+    v,
+    c,
+    acc,
+    k_g,
+    w_h,
+    decay_h,
+    beta_h,
+    j,
+    live,
+    o_k,
+    o_v,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    FAMILY: tl.constexpr,
+    LOG2_DECAY: tl.constexpr,
 ):
     """One buffered token ``j`` of a read's backward sweep (``live`` False: the identity) on the
     query ``c v̂`` (see :func:`_backward`): returns it pushed past the token, and ``acc`` plus the
@@ -321,7 +352,20 @@ def _sweep_buffered(
     ``j`` ≤ 0), so a token costs a 32-bit offset per pointer rather than 64-bit address
     arithmetic. ``LOG2_DECAY``: ``decay_h`` points at log₂ of the decays (:func:`_load_token`)."""
     kk, ww, dd, bb = _load_token(
-        k_g, w_h, decay_h, beta_h, j * K, j * V, j, o_k, o_v, live, K, V, FAMILY, LOG2_DECAY,
+        k_g,
+        w_h,
+        decay_h,
+        beta_h,
+        j * K,
+        j * V,
+        j,
+        o_k,
+        o_v,
+        live,
+        K,
+        V,
+        FAMILY,
+        LOG2_DECAY,
     )
     kv, v, c = _backward(v, c, kk, dd, bb, FAMILY)
     return v, c, acc + kv * ww
@@ -329,15 +373,44 @@ def _sweep_buffered(
 
 @triton.jit
 def _step_emit(
-    S, q, k, w, decay, beta, skip, out, x_t, i_h, i_g, o_k, o_v, live,
-    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    FAMILY: tl.constexpr, HAS_SKIP: tl.constexpr, KAXIS: tl.constexpr,
+    S,
+    q,
+    k,
+    w,
+    decay,
+    beta,
+    skip,
+    out,
+    x_t,
+    i_h,
+    i_g,
+    o_k,
+    o_v,
+    live,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    FAMILY: tl.constexpr,
+    HAS_SKIP: tl.constexpr,
+    KAXIS: tl.constexpr,
 ):
     """Apply input token ``x_t`` to the fp32 tile S (key dimension on axis ``KAXIS``, as in
     :func:`_forward`) and store its output ``Sᵀq (+ skip)`` [BV]."""
     kk, ww, dd, bb = _load_token(
-        k, w, decay, beta, (x_t * G + i_g) * K, (x_t * H + i_h) * V, x_t * H + i_h,
-        o_k, o_v, live, K, V, FAMILY,
+        k,
+        w,
+        decay,
+        beta,
+        (x_t * G + i_g) * K,
+        (x_t * H + i_h) * V,
+        x_t * H + i_h,
+        o_k,
+        o_v,
+        live,
+        K,
+        V,
+        FAMILY,
     )
     S = _forward(S, kk, ww, dd, bb, FAMILY, KAXIS)
     qq = tl.load(q + (x_t * G + i_g) * K + o_k).to(tl.float32)
@@ -462,8 +535,21 @@ def _first_map_rows(maps, i_h, o_k, K: tl.constexpr, M: tl.constexpr):
 
 @triton.jit
 def _checkpoint_read(
-    v, rd_h, sk_h, m, pm0, st0, maps, i_h, o_k, o_v,
-    K: tl.constexpr, V: tl.constexpr, M: tl.constexpr, SKETCH: tl.constexpr, ROWS: tl.constexpr,
+    v,
+    rd_h,
+    sk_h,
+    m,
+    pm0,
+    st0,
+    maps,
+    i_h,
+    o_k,
+    o_v,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    M: tl.constexpr,
+    SKETCH: tl.constexpr,
+    ROWS: tl.constexpr,
     EARLY_MAP: tl.constexpr,
 ):
     """``S_cᵀ u`` from the read copy, or ``(R_{:m} S_c)ᵀ (P u)`` for a head of rank m > 0.
@@ -494,7 +580,17 @@ def _checkpoint_read(
 
 @triton.jit
 def _buffer_tiles(
-    buf_k, buf_w, buf_decay, hb, gb, n, o_c, o_k, o_v, K: tl.constexpr, V: tl.constexpr,
+    buf_k,
+    buf_w,
+    buf_decay,
+    hb,
+    gb,
+    n,
+    o_c,
+    o_k,
+    o_v,
+    K: tl.constexpr,
+    V: tl.constexpr,
 ):
     """The first ``n`` buffered tokens of one head as tiles (rows ≥ n: identity tokens).
 
@@ -559,14 +655,26 @@ def _dependent_launch(PDL: tl.constexpr):
 def _prefetch_l2(p):
     """``prefetch.global.L2`` of the 128-byte lines holding the addresses ``p`` (a hint: nothing is
     loaded into registers)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [p], dtype=tl.int32,
-                              is_pure=False, pack=1)
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [p], dtype=tl.int32, is_pure=False, pack=1
+    )
 
 
 @triton.jit
 def _prefetch_buffer(
-    buf_k, buf_w, buf_decay, buf_beta, hb, gb, n, w_col,
-    K: tl.constexpr, V: tl.constexpr, WCOLS: tl.constexpr, C: tl.constexpr, FAMILY: tl.constexpr,
+    buf_k,
+    buf_w,
+    buf_decay,
+    buf_beta,
+    hb,
+    gb,
+    n,
+    w_col,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    WCOLS: tl.constexpr,
+    C: tl.constexpr,
+    FAMILY: tl.constexpr,
 ):
     """Ask L2 for the first ``n`` entries of a slot's buffer, all at once (``KernelConfig.prefetch``):
     the group's keys [n, K] and the head's decays (contiguous), its betas, and columns
@@ -596,9 +704,24 @@ def _prefetch_buffer(
 
 @triton.jit
 def _standard_kernel(
-    state, slots, q, k, w, decay, beta, skip, out,
-    T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BV: tl.constexpr, FAMILY: tl.constexpr, HAS_SKIP: tl.constexpr, PDL: tl.constexpr,
+    state,
+    slots,
+    q,
+    k,
+    w,
+    decay,
+    beta,
+    skip,
+    out,
+    T: tl.constexpr,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BV: tl.constexpr,
+    FAMILY: tl.constexpr,
+    HAS_SKIP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     _dependent_launch(PDL)
     i_v = tl.program_id(0)
@@ -615,21 +738,54 @@ def _standard_kernel(
     live = s >= 0
     for t in tl.static_range(T):
         x_t = i_b * T + t
-        S = _step_emit(S, q, k, w, decay, beta, skip, out, x_t, i_h, i_g, o_k, o_v, live,
-                       H, G, K, V, FAMILY, HAS_SKIP, 0)
+        S = _step_emit(
+            S, q, k, w, decay, beta, skip, out, x_t, i_h, i_g, o_k, o_v, live, H, G, K, V, FAMILY, HAS_SKIP, 0
+        )
     tl.store(p_s, S, eviction_policy="evict_first")
 
 
 @triton.jit
 def _read_kernel(
-    slots, pos, q, k, w, decay, beta, skip, out,
-    buf_k, buf_w, buf_decay, buf_beta, buf_logdecay,
-    rd, sk, ranks, maps, sk_head_stride,
-    T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BV: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, M: tl.constexpr,
-    FAMILY: tl.constexpr, SKETCH: tl.constexpr, HAS_SKIP: tl.constexpr, K_BF16: tl.constexpr,
-    EMULATE: tl.constexpr, CHUNKED: tl.constexpr, GROUP: tl.constexpr, DENSE_ROWS: tl.constexpr,
-    EARLY_MAP: tl.constexpr, PREFETCH: tl.constexpr, LOG2_DECAY: tl.constexpr, PDL: tl.constexpr,
+    slots,
+    pos,
+    q,
+    k,
+    w,
+    decay,
+    beta,
+    skip,
+    out,
+    buf_k,
+    buf_w,
+    buf_decay,
+    buf_beta,
+    buf_logdecay,
+    rd,
+    sk,
+    ranks,
+    maps,
+    sk_head_stride,
+    T: tl.constexpr,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BV: tl.constexpr,
+    C: tl.constexpr,
+    BC: tl.constexpr,
+    M: tl.constexpr,
+    FAMILY: tl.constexpr,
+    SKETCH: tl.constexpr,
+    HAS_SKIP: tl.constexpr,
+    K_BF16: tl.constexpr,
+    EMULATE: tl.constexpr,
+    CHUNKED: tl.constexpr,
+    GROUP: tl.constexpr,
+    DENSE_ROWS: tl.constexpr,
+    EARLY_MAP: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    LOG2_DECAY: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """The reads (replay, sketch, spec_verify). ``LOG2_DECAY`` (KDA): the buffered decays are read
     as log₂ in bf16 from ``buf_logdecay`` (half the bytes; the flush keeps the fp32 ones), which
@@ -651,8 +807,19 @@ def _read_kernel(
     m = tl.load(ranks + i_h) if SKETCH else 0
     x0 = i_b * T
     k0, w0, d0, b0 = _load_token(
-        k, w, decay, beta, (x0 * G + i_g) * K, (x0 * H + i_h) * V, x0 * H + i_h, o_k, o_v, i_b >= 0,
-        K, V, FAMILY,
+        k,
+        w,
+        decay,
+        beta,
+        (x0 * G + i_g) * K,
+        (x0 * H + i_h) * V,
+        x0 * H + i_h,
+        o_k,
+        o_v,
+        i_b >= 0,
+        K,
+        V,
+        FAMILY,
     )
     q0 = tl.load(q + (x0 * G + i_g) * K + o_k).to(tl.float32)
     if SKETCH and EARLY_MAP:
@@ -680,8 +847,19 @@ def _read_kernel(
             k_new, w_new, d_new, b_new = k0, w0, d0, b0
         else:
             k_new, w_new, d_new, b_new = _load_token(
-                k, w, decay, beta, (x_t * G + i_g) * K, (x_t * H + i_h) * V, x_t * H + i_h, o_k, o_v,
-                live, K, V, FAMILY,
+                k,
+                w,
+                decay,
+                beta,
+                (x_t * G + i_g) * K,
+                (x_t * H + i_h) * V,
+                x_t * H + i_h,
+                o_k,
+                o_v,
+                live,
+                K,
+                V,
+                FAMILY,
             )
         mw = o_v < tl.where(ok, V, 0)
         tl.store(buf_w + (hb + jw) * V + o_v, w_new.to(buf_w.dtype.element_ty), mask=mw)
@@ -732,8 +910,19 @@ def _read_kernel(
                     kk, ww, dd, bb = k0, w0, d0, b0
                 else:
                     kk, ww, dd, bb = _load_token(
-                        k, w, decay, beta, (x_d * G + i_g) * K, (x_d * H + i_h) * V, x_d * H + i_h,
-                        o_k, o_v, live, K, V, FAMILY,
+                        k,
+                        w,
+                        decay,
+                        beta,
+                        (x_d * G + i_g) * K,
+                        (x_d * H + i_h) * V,
+                        x_d * H + i_h,
+                        o_k,
+                        o_v,
+                        live,
+                        K,
+                        V,
+                        FAMILY,
                     )
                 kv, v, c = _backward(v, c, kk, dd, bb, FAMILY)
                 acc += kv * ww
@@ -743,7 +932,21 @@ def _read_kernel(
             for i in tl.static_range(C):
                 j = C - 1 - i
                 v, c, acc = _sweep_buffered(
-                    v, c, acc, k_g, w_h, decay_h, beta_h, j, j < p, o_k, o_v, K, V, FAMILY, LOG2_DECAY,
+                    v,
+                    c,
+                    acc,
+                    k_g,
+                    w_h,
+                    decay_h,
+                    beta_h,
+                    j,
+                    j < p,
+                    o_k,
+                    o_v,
+                    K,
+                    V,
+                    FAMILY,
+                    LOG2_DECAY,
                 )
         elif FAMILY == 2 or not CHUNKED:
             # the live tokens p-1..0, GROUP per iteration (the group's loads issue together). The
@@ -755,7 +958,20 @@ def _read_kernel(
             for j0 in range(0, p, GROUP):
                 for i in tl.static_range(GROUP):
                     v, c, acc = _sweep_buffered(
-                        v, c, acc, k_j, w_j, decay_j, beta_j, -i, i < p - j0, o_k, o_v, K, V, FAMILY,
+                        v,
+                        c,
+                        acc,
+                        k_j,
+                        w_j,
+                        decay_j,
+                        beta_j,
+                        -i,
+                        i < p - j0,
+                        o_k,
+                        o_v,
+                        K,
+                        V,
+                        FAMILY,
                         LOG2_DECAY,
                     )
                 k_j, w_j = k_j - GROUP * K, w_j - GROUP * V
@@ -773,7 +989,22 @@ def _read_kernel(
             acc += tl.sum((g * z)[:, None] * wb, axis=0)
             c = total
         o = acc + _checkpoint_read(
-            v * c, rd_h, sk_h, m, pm0, st0, maps, i_h, o_k, o_v, K, V, M, SKETCH, DENSE_ROWS, EARLY_MAP,
+            v * c,
+            rd_h,
+            sk_h,
+            m,
+            pm0,
+            st0,
+            maps,
+            i_h,
+            o_k,
+            o_v,
+            K,
+            V,
+            M,
+            SKETCH,
+            DENSE_ROWS,
+            EARLY_MAP,
         )
         if HAS_SKIP:
             o += tl.load(skip + (x_t * H + i_h) * V + o_v).to(tl.float32)
@@ -794,13 +1025,41 @@ def _store_read_copy(S, p_r, read_rows, i_h, ROWS: tl.constexpr):
 
 @triton.jit
 def _flush_kernel(
-    state, slots, pos, q, k, w, decay, beta, skip, out,
-    buf_k, buf_w, buf_decay, buf_beta,
-    rd, read_rows, sk, ranks, frames, sk_head_stride,
-    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-    C: tl.constexpr, FAMILY: tl.constexpr,
-    HAS_X: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_READ: tl.constexpr, ROWS: tl.constexpr,
-    SKETCH_OUT: tl.constexpr, VEC: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    state,
+    slots,
+    pos,
+    q,
+    k,
+    w,
+    decay,
+    beta,
+    skip,
+    out,
+    buf_k,
+    buf_w,
+    buf_decay,
+    buf_beta,
+    rd,
+    read_rows,
+    sk,
+    ranks,
+    frames,
+    sk_head_stride,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BV: tl.constexpr,
+    C: tl.constexpr,
+    FAMILY: tl.constexpr,
+    HAS_X: tl.constexpr,
+    HAS_SKIP: tl.constexpr,
+    HAS_READ: tl.constexpr,
+    ROWS: tl.constexpr,
+    SKETCH_OUT: tl.constexpr,
+    VEC: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """The token-by-token flush on [K, BV] tiles of S (any family); ``PREFETCH``: see
     ``KernelConfig.prefetch``."""
@@ -830,13 +1089,36 @@ def _flush_kernel(
     # ahead was slower on the H200); scalar decays go into a separate scale
     # (_forward_scaled), applied once at the end
     kk, ww, dd, bb = _load_token(
-        buf_k, buf_w, buf_decay, buf_beta, gb * K, hb * V, hb, o_k, o_v, n > 0, K, V, FAMILY,
+        buf_k,
+        buf_w,
+        buf_decay,
+        buf_beta,
+        gb * K,
+        hb * V,
+        hb,
+        o_k,
+        o_v,
+        n > 0,
+        K,
+        V,
+        FAMILY,
     )
     scale = dd * 0.0 + 1.0  # Mamba-2, GDN: the decay product so far (KDA: unused)
     for j in range(0, n):
         kn, wn, dn, bn = _load_token(
-            buf_k, buf_w, buf_decay, buf_beta, (gb + j + 1) * K, (hb + j + 1) * V, hb + j + 1,
-            o_k, o_v, j + 1 < n, K, V, FAMILY,
+            buf_k,
+            buf_w,
+            buf_decay,
+            buf_beta,
+            (gb + j + 1) * K,
+            (hb + j + 1) * V,
+            hb + j + 1,
+            o_k,
+            o_v,
+            j + 1 < n,
+            K,
+            V,
+            FAMILY,
         )
         if FAMILY == 2:  # per-channel decays go straight into the tile
             S = _forward(S, kk, ww, dd, bb, FAMILY, 0)
@@ -846,8 +1128,9 @@ def _flush_kernel(
     if FAMILY != 2:
         S = S * scale
     if HAS_X:
-        S = _step_emit(S, q, k, w, decay, beta, skip, out, i_b, i_h, i_g, o_k, o_v, live,
-                       H, G, K, V, FAMILY, HAS_SKIP, 0)
+        S = _step_emit(
+            S, q, k, w, decay, beta, skip, out, i_b, i_h, i_g, o_k, o_v, live, H, G, K, V, FAMILY, HAS_SKIP, 0
+        )
     tl.store(p_s, S, eviction_policy="evict_first")
     if HAS_READ:
         p_r = rd + (s * H + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :]
@@ -868,14 +1151,44 @@ def _flush_kernel(
 
 @triton.jit
 def _flush_chunk_kernel(
-    state, slots, pos, q, k, w, decay, beta, skip, out,
-    buf_k, buf_w, buf_decay, buf_beta,
-    rd, read_rows, sk, ranks, frames, sk_head_stride,
-    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-    C: tl.constexpr, BC: tl.constexpr, LOG2_BC: tl.constexpr, FAMILY: tl.constexpr,
-    HAS_X: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_READ: tl.constexpr, ROWS: tl.constexpr,
-    SKETCH_OUT: tl.constexpr, K_BF16: tl.constexpr, SKETCH_TERMS: tl.constexpr,
-    EMULATE: tl.constexpr, PDL: tl.constexpr,
+    state,
+    slots,
+    pos,
+    q,
+    k,
+    w,
+    decay,
+    beta,
+    skip,
+    out,
+    buf_k,
+    buf_w,
+    buf_decay,
+    buf_beta,
+    rd,
+    read_rows,
+    sk,
+    ranks,
+    frames,
+    sk_head_stride,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BV: tl.constexpr,
+    C: tl.constexpr,
+    BC: tl.constexpr,
+    LOG2_BC: tl.constexpr,
+    FAMILY: tl.constexpr,
+    HAS_X: tl.constexpr,
+    HAS_SKIP: tl.constexpr,
+    HAS_READ: tl.constexpr,
+    ROWS: tl.constexpr,
+    SKETCH_OUT: tl.constexpr,
+    K_BF16: tl.constexpr,
+    SKETCH_TERMS: tl.constexpr,
+    EMULATE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """The chunked flush on tensor cores. The tile is ``Sᵀ`` [BV, K]: it is the accumulator of the
     update and, split into bf16 terms, the left operand of every product, so it never leaves the
@@ -956,8 +1269,29 @@ def _flush_chunk_kernel(
             wt = tl.dot(zt, inv_t, input_precision="tf32x3")  # Dᵀ
         St = _dot_fk(wt * g[None, :], kb, St * total, K_BF16, EMULATE)
     if HAS_X:
-        St = _step_emit(St, q, k, w, decay, beta, skip, out, i_b, i_h, i_g, o_k, o_v, live,
-                        H, G, K, V, FAMILY, HAS_SKIP, 1)
+        St = _step_emit(
+            St,
+            q,
+            k,
+            w,
+            decay,
+            beta,
+            skip,
+            out,
+            i_b,
+            i_h,
+            i_g,
+            o_k,
+            o_v,
+            live,
+            H,
+            G,
+            K,
+            V,
+            FAMILY,
+            HAS_SKIP,
+            1,
+        )
     tl.store(p_s, St, eviction_policy="evict_first")
     if HAS_READ:
         p_r = rd + (s * H + i_h) * (K * V) + o_k[None, :] * V + o_v[:, None]
@@ -990,8 +1324,10 @@ def _dims(family: str, x: StepInputs, heads: int) -> tuple[int, int, int, int, i
     b, t, g, kd = x.k.shape
     vd = x.w.shape[-1]
     if x.q.shape != x.k.shape or x.w.shape != (b, t, heads, vd):
-        raise ValueError(f"inputs: k, q must be [B, T, G, K] and w [B, T, H={heads}, V]; got "
-                         f"k {tuple(x.k.shape)}, q {tuple(x.q.shape)}, w {tuple(x.w.shape)}")
+        raise ValueError(
+            f"inputs: k, q must be [B, T, G, K] and w [B, T, H={heads}, V]; got "
+            f"k {tuple(x.k.shape)}, q {tuple(x.q.shape)}, w {tuple(x.w.shape)}"
+        )
     dshape = (b, t, heads, kd) if family == "kda" else (b, t, heads)
     if x.decay.shape != dshape:
         raise ValueError(f"inputs: decay must be {list(dshape)}, got {list(x.decay.shape)}")
@@ -999,8 +1335,14 @@ def _dims(family: str, x: StepInputs, heads: int) -> tuple[int, int, int, int, i
         raise ValueError("inputs: the delta rules need beta [B, T, H]")
     if heads % g:
         raise ValueError(f"heads ({heads}) must be a multiple of groups ({g})")
-    for name, tensor in (("k", x.k), ("q", x.q), ("w", x.w), ("decay", x.decay), ("beta", x.beta),
-                         ("skip", x.skip)):
+    for name, tensor in (
+        ("k", x.k),
+        ("q", x.q),
+        ("w", x.w),
+        ("decay", x.decay),
+        ("beta", x.beta),
+        ("skip", x.skip),
+    ):
         if tensor is not None and not tensor.is_contiguous():
             raise ValueError(f"inputs: {name} must be contiguous")
     if not (x.k.is_cuda or _interpreting()):
@@ -1038,7 +1380,10 @@ def _prefetch(cfg: KernelConfig) -> bool:
 def _read_options(cfg: KernelConfig, kd: int) -> dict:
     """The read kernel's constexprs that come from its launch shape."""
     return dict(
-        CHUNKED=cfg.chunked, GROUP=cfg.group, DENSE_ROWS=min(cfg.dense_rows, kd), EARLY_MAP=cfg.early_map,
+        CHUNKED=cfg.chunked,
+        GROUP=cfg.group,
+        DENSE_ROWS=min(cfg.dense_rows, kd),
+        EARLY_MAP=cfg.early_map,
         PREFETCH=_prefetch(cfg),
     )
 
@@ -1094,8 +1439,14 @@ def _pipelined(cfg: KernelConfig, family: str, pool: DecodePool) -> bool:
     """Whether the flush runs as a persistent Gluon kernel (``KernelConfig.pipelined``): Mamba-2's
     (:mod:`.flush_pipelined`) or KDA's (``kernels/kda/flush_pipelined.py``, for the pools its
     layouts cover)."""
-    if not (cfg.pipelined > 0 and family in ("mamba2", "kda") and pool.state.is_cuda and not _interpreting()
-            and pool.buf_k.dtype == pool.buf_w.dtype == torch.bfloat16 and gluon_available()):
+    if not (
+        cfg.pipelined > 0
+        and family in ("mamba2", "kda")
+        and pool.state.is_cuda
+        and not _interpreting()
+        and pool.buf_k.dtype == pool.buf_w.dtype == torch.bfloat16
+        and gluon_available()
+    ):
         return False
     if family == "kda":
         from sketchcal.kernels.kda import flush_pipelined, flush_sweep
@@ -1129,8 +1480,23 @@ def standard_step(
     bv = _block_v(cfg, vd)
     out = _out(out, x, h, t)
     _standard_kernel[(vd // bv, h, b)](
-        state, slots, x.q, x.k, x.w, x.decay, _beta(x), x.skip if x.skip is not None else x.w, out,
-        T=t, H=h, G=g, K=kd, V=vd, BV=bv, FAMILY=FAMILY_ID[family], HAS_SKIP=x.skip is not None,
+        state,
+        slots,
+        x.q,
+        x.k,
+        x.w,
+        x.decay,
+        _beta(x),
+        x.skip if x.skip is not None else x.w,
+        out,
+        T=t,
+        H=h,
+        G=g,
+        K=kd,
+        V=vd,
+        BV=bv,
+        FAMILY=FAMILY_ID[family],
+        HAS_SKIP=x.skip is not None,
         **_launch_options(cfg, state.device),
     )
     return out
@@ -1169,16 +1535,41 @@ def spec_verify(
     sk = pool.sketch if sketch else pool.read
     m_rows = tables.map_rows if sketch else 1
     _read_kernel[(vd // bv, h, b)](
-        slots, pos, x.q, x.k, x.w, x.decay, _beta(x), x.skip if x.skip is not None else x.w, out,
-        pool.buf_k, pool.buf_w, pool.buf_decay,
+        slots,
+        pos,
+        x.q,
+        x.k,
+        x.w,
+        x.decay,
+        _beta(x),
+        x.skip if x.skip is not None else x.w,
+        out,
+        pool.buf_k,
+        pool.buf_w,
+        pool.buf_decay,
         pool.buf_beta if pool.buf_beta is not None else pool.buf_decay,
         pool.buf_logdecay if pool.buf_logdecay is not None else pool.buf_decay,
-        pool.read, sk, tables.ranks if sketch else slots, tables.maps if sketch else pool.buf_decay,
+        pool.read,
+        sk,
+        tables.ranks if sketch else slots,
+        tables.maps if sketch else pool.buf_decay,
         sk.shape[2] * sk.shape[3],
-        T=t, H=h, G=g, K=kd, V=vd, BV=bv, C=pool.capacity, BC=_buffer_block(pool.capacity),
-        M=m_rows, FAMILY=FAMILY_ID[family], SKETCH=sketch,
-        HAS_SKIP=x.skip is not None, K_BF16=_keys_bf16(pool), EMULATE=_interpreting(),
-        LOG2_DECAY=pool.buf_logdecay is not None, **_read_options(cfg, kd),
+        T=t,
+        H=h,
+        G=g,
+        K=kd,
+        V=vd,
+        BV=bv,
+        C=pool.capacity,
+        BC=_buffer_block(pool.capacity),
+        M=m_rows,
+        FAMILY=FAMILY_ID[family],
+        SKETCH=sketch,
+        HAS_SKIP=x.skip is not None,
+        K_BF16=_keys_bf16(pool),
+        EMULATE=_interpreting(),
+        LOG2_DECAY=pool.buf_logdecay is not None,
+        **_read_options(cfg, kd),
         **_launch_options(cfg, pool.state.device),
     )
     return out
@@ -1250,18 +1641,41 @@ def flush(
     xs = x if x is not None else StepInputs(pool.buf_k, pool.buf_k, pool.buf_w, pool.buf_decay, pool.buf_beta)
     dummy = pool.buf_decay
     args = (
-        pool.state, slots, pos, xs.q, xs.k, xs.w, xs.decay, _beta(xs),
-        xs.skip if xs.skip is not None else xs.w, out if out is not None else dummy,
-        pool.buf_k, pool.buf_w, pool.buf_decay, pool.buf_beta if pool.buf_beta is not None else dummy,
+        pool.state,
+        slots,
+        pos,
+        xs.q,
+        xs.k,
+        xs.w,
+        xs.decay,
+        _beta(xs),
+        xs.skip if xs.skip is not None else xs.w,
+        out if out is not None else dummy,
+        pool.buf_k,
+        pool.buf_w,
+        pool.buf_decay,
+        pool.buf_beta if pool.buf_beta is not None else dummy,
         pool.read if pool.read is not None else pool.state,
         tables.read_rows if sketch else slots,
-        sk, tables.ranks if sketch else slots, tables.frames if sketch else dummy,
+        sk,
+        tables.ranks if sketch else slots,
+        tables.frames if sketch else dummy,
         sk.shape[2] * sk.shape[3],
     )
     common = dict(
-        H=heads, G=g, K=kd, V=vd, BV=bv, C=pool.capacity, FAMILY=FAMILY_ID[family], HAS_X=x is not None,
-        HAS_SKIP=x is not None and x.skip is not None, HAS_READ=pool.read is not None, ROWS=sketch,
-        SKETCH_OUT=sketch, **_launch_options(cfg, pool.state.device),
+        H=heads,
+        G=g,
+        K=kd,
+        V=vd,
+        BV=bv,
+        C=pool.capacity,
+        FAMILY=FAMILY_ID[family],
+        HAS_X=x is not None,
+        HAS_SKIP=x is not None and x.skip is not None,
+        HAS_READ=pool.read is not None,
+        ROWS=sketch,
+        SKETCH_OUT=sketch,
+        **_launch_options(cfg, pool.state.device),
     )
     grid = (vd // bv, heads, b)
     terms = sketch_terms(sk.dtype)
@@ -1269,9 +1683,19 @@ def flush(
         from sketchcal.kernels.kda import flush_pipelined, flush_sweep
 
         options = dict(
-            H=heads, K=kd, V=vd, C=pool.capacity, HAS_X=common["HAS_X"], HAS_SKIP=common["HAS_SKIP"],
-            HAS_READ=common["HAS_READ"], ROWS=sketch, SKETCH_OUT=sketch, batch=b, per_sm=cfg.pipelined,
-            num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
+            H=heads,
+            K=kd,
+            V=vd,
+            C=pool.capacity,
+            HAS_X=common["HAS_X"],
+            HAS_SKIP=common["HAS_SKIP"],
+            HAS_READ=common["HAS_READ"],
+            ROWS=sketch,
+            SKETCH_OUT=sketch,
+            batch=b,
+            per_sm=cfg.pipelined,
+            num_warps=cfg.num_warps,
+            maxnreg=cfg.maxnreg,
         )
         if cfg.chunked:
             terms_or_dummy = tables.frame_terms if sketch else dummy
@@ -1282,16 +1706,35 @@ def flush(
         from sketchcal.kernels.common import flush_pipelined
 
         flush_pipelined.launch(
-            args, tables.frame_terms if sketch else dummy, H=heads, G=g, K=kd, V=vd, C=pool.capacity,
-            BC=_buffer_block(pool.capacity), HAS_X=common["HAS_X"], HAS_SKIP=common["HAS_SKIP"],
-            HAS_READ=common["HAS_READ"], ROWS=sketch, SKETCH_OUT=sketch, SKETCH_TERMS=terms, batch=b,
-            per_sm=cfg.pipelined, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
+            args,
+            tables.frame_terms if sketch else dummy,
+            H=heads,
+            G=g,
+            K=kd,
+            V=vd,
+            C=pool.capacity,
+            BC=_buffer_block(pool.capacity),
+            HAS_X=common["HAS_X"],
+            HAS_SKIP=common["HAS_SKIP"],
+            HAS_READ=common["HAS_READ"],
+            ROWS=sketch,
+            SKETCH_OUT=sketch,
+            SKETCH_TERMS=terms,
+            batch=b,
+            per_sm=cfg.pipelined,
+            num_warps=cfg.num_warps,
+            maxnreg=cfg.maxnreg,
         )
     elif cfg.chunked:
         bc = _buffer_block(pool.capacity)
         _flush_chunk_kernel[grid](
-            *args, BC=bc, LOG2_BC=bc.bit_length() - 1, K_BF16=_keys_bf16(pool), SKETCH_TERMS=terms,
-            EMULATE=_interpreting(), **common,
+            *args,
+            BC=bc,
+            LOG2_BC=bc.bit_length() - 1,
+            K_BF16=_keys_bf16(pool),
+            SKETCH_TERMS=terms,
+            EMULATE=_interpreting(),
+            **common,
         )
     else:
         _flush_kernel[grid](*args, VEC=cfg.vec, PREFETCH=_prefetch(cfg), **common)

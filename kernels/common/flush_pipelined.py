@@ -86,9 +86,28 @@ def _head_flags(ranks, read_rows, item, H: gl.constexpr, SKETCH_OUT: gl.constexp
 
 @gluon.jit
 def _issue(
-    state, buf_k, buf_w, ranks, frame_terms, item, s, n, s_smem, k_smem, w_smem, r_smem,
-    H: gl.constexpr, G: gl.constexpr, K: gl.constexpr, V: gl.constexpr, C: gl.constexpr,
-    BC: gl.constexpr, LS: gl.constexpr, LB: gl.constexpr, SKETCH_OUT: gl.constexpr, TERMS: gl.constexpr,
+    state,
+    buf_k,
+    buf_w,
+    ranks,
+    frame_terms,
+    item,
+    s,
+    n,
+    s_smem,
+    k_smem,
+    w_smem,
+    r_smem,
+    H: gl.constexpr,
+    G: gl.constexpr,
+    K: gl.constexpr,
+    V: gl.constexpr,
+    C: gl.constexpr,
+    BC: gl.constexpr,
+    LS: gl.constexpr,
+    LB: gl.constexpr,
+    SKETCH_OUT: gl.constexpr,
+    TERMS: gl.constexpr,
 ):
     """Start the copies of work item ``item`` (head ``item % H`` of batch row ``item // H``; slot
     ``s`` and ``n`` from :func:`_entry`) into shared memory: its state tile [K, V], buffered keys
@@ -127,8 +146,23 @@ def _issue(
 
 @gluon.jit
 def _small_inputs(
-    k, q, w, decay, skip, buf_decay, item, s, n, H: gl.constexpr, G: gl.constexpr, K: gl.constexpr,
-    V: gl.constexpr, C: gl.constexpr, BC: gl.constexpr, L1: gl.constexpr, HAS_X: gl.constexpr,
+    k,
+    q,
+    w,
+    decay,
+    skip,
+    buf_decay,
+    item,
+    s,
+    n,
+    H: gl.constexpr,
+    G: gl.constexpr,
+    K: gl.constexpr,
+    V: gl.constexpr,
+    C: gl.constexpr,
+    BC: gl.constexpr,
+    L1: gl.constexpr,
+    HAS_X: gl.constexpr,
     HAS_SKIP: gl.constexpr,
 ):
     """Work item ``item``'s small inputs, loaded one item ahead into few registers (1-D layouts
@@ -154,8 +188,9 @@ def _small_inputs(
 
 
 @gluon.jit
-def _sketch_rows(St, b1, b2, b3, p_sk, r0, m, V: gl.constexpr, MMA: gl.constexpr, A_OP: gl.constexpr,
-                 TERMS: gl.constexpr):
+def _sketch_rows(
+    St, b1, b2, b3, p_sk, r0, m, V: gl.constexpr, MMA: gl.constexpr, A_OP: gl.constexpr, TERMS: gl.constexpr
+):
     """Sketch rows ``r0 … r0 + 15`` (those below ``m``) of one head, ``Sᵀ R_{r0:r0+16}ᵀ`` [V, 16],
     stored at ``p_sk`` (the head's sketch rows [M, V]): ``b1``-``b3`` are the chunk's terms of
     ``Rᵀ`` [K, 16] as B operands. The products of the terms of ``Sᵀ`` and ``Rᵀ`` down to
@@ -178,8 +213,11 @@ def _sketch_rows(St, b1, b2, b3, p_sk, r0, m, V: gl.constexpr, MMA: gl.constexpr
         acc = mma_v2(a, b1, acc)
     o_vm = gl.arange(0, V, gl.SliceLayout(1, MMA))
     o_rm = gl.arange(0, 16, gl.SliceLayout(0, MMA))
-    gl.store(p_sk + ((r0 + o_rm[None, :]) * V + o_vm[:, None]), acc.to(p_sk.dtype.element_ty),
-             mask=(r0 + o_rm[None, :] < m) & (o_vm[:, None] < V))
+    gl.store(
+        p_sk + ((r0 + o_rm[None, :]) * V + o_vm[:, None]),
+        acc.to(p_sk.dtype.element_ty),
+        mask=(r0 + o_rm[None, :] < m) & (o_vm[:, None] < V),
+    )
 
 
 @gluon.jit
@@ -198,9 +236,26 @@ def _store_state(tile, state, rd, dense, offs, HAS_READ: gl.constexpr, ROWS: gl.
 
 @gluon.jit
 def _store_folded(
-    St, state, rd, dense, sk_head, m, frame_terms, r_cur, head, frame,
-    K: gl.constexpr, V: gl.constexpr, HAS_READ: gl.constexpr, ROWS: gl.constexpr, SKETCH_OUT: gl.constexpr,
-    SKETCH_TERMS: gl.constexpr, MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, LS: gl.constexpr,
+    St,
+    state,
+    rd,
+    dense,
+    sk_head,
+    m,
+    frame_terms,
+    r_cur,
+    head,
+    frame,
+    K: gl.constexpr,
+    V: gl.constexpr,
+    HAS_READ: gl.constexpr,
+    ROWS: gl.constexpr,
+    SKETCH_OUT: gl.constexpr,
+    SKETCH_TERMS: gl.constexpr,
+    MMA: gl.constexpr,
+    A_OP: gl.constexpr,
+    B_OP: gl.constexpr,
+    LS: gl.constexpr,
     LR: gl.constexpr,
 ):
     """The stores of a folded head (``St`` = Sᵀ [V, K] in the MMA layout), shared by the Gluon flushes:
@@ -237,19 +292,48 @@ def _store_folded(
 
 @gluon.jit
 def _flush_pipelined_kernel(
-    state, slots, pos, q, k, w, decay, beta, skip, out,
-    buf_k, buf_w, buf_decay, buf_beta,
-    rd, read_rows, sk, ranks, frames, sk_head_stride, frame_terms, n_items,
-    H: gl.constexpr, G: gl.constexpr, K: gl.constexpr, V: gl.constexpr, C: gl.constexpr,
-    BC: gl.constexpr, HAS_X: gl.constexpr, HAS_SKIP: gl.constexpr, HAS_READ: gl.constexpr,
-    ROWS: gl.constexpr, SKETCH_OUT: gl.constexpr, SKETCH_TERMS: gl.constexpr,
+    state,
+    slots,
+    pos,
+    q,
+    k,
+    w,
+    decay,
+    beta,
+    skip,
+    out,
+    buf_k,
+    buf_w,
+    buf_decay,
+    buf_beta,
+    rd,
+    read_rows,
+    sk,
+    ranks,
+    frames,
+    sk_head_stride,
+    frame_terms,
+    n_items,
+    H: gl.constexpr,
+    G: gl.constexpr,
+    K: gl.constexpr,
+    V: gl.constexpr,
+    C: gl.constexpr,
+    BC: gl.constexpr,
+    HAS_X: gl.constexpr,
+    HAS_SKIP: gl.constexpr,
+    HAS_READ: gl.constexpr,
+    ROWS: gl.constexpr,
+    SKETCH_OUT: gl.constexpr,
+    SKETCH_TERMS: gl.constexpr,
 ):
     """The flush over ``n_items`` work items (see the module docstring); the arguments are the
     chunked flush's (``beta``, ``buf_beta``: unused, Mamba-2 has none; ``frames``: unused, the
     sketch reads ``SketchTables.frame_terms``), then ``frame_terms``."""
     WARPS: gl.constexpr = gl.num_warps()
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
-                                                  instr_shape=[16, 8])
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]
+    )
     A_OP: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     B_OP: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
     # copies: 16 B per thread along the contiguous axis
@@ -278,10 +362,33 @@ def _flush_pipelined_kernel(
     # the first item's copies and small inputs, and the next item's slot: then, in each iteration,
     # the next item's copies and small inputs and the slot of the one after, a step ahead of use
     s_c, n_c = _entry(slots, pos, pid, n_items, H)
-    _issue(state, buf_k, buf_w, ranks, frame_terms, pid, s_c, n_c, s_smem, k_smem, w_smem, r_next,
-           H, G, K, V, C, BC, LS, LB, SKETCH_OUT, SKETCH_TERMS)
-    al, al_next, kk, qq, ww, sw, dd = _small_inputs(k, q, w, decay, skip, buf_decay, pid, s_c, n_c, H, G, K,
-                                                    V, C, BC, L1, HAS_X, HAS_SKIP)
+    _issue(
+        state,
+        buf_k,
+        buf_w,
+        ranks,
+        frame_terms,
+        pid,
+        s_c,
+        n_c,
+        s_smem,
+        k_smem,
+        w_smem,
+        r_next,
+        H,
+        G,
+        K,
+        V,
+        C,
+        BC,
+        LS,
+        LB,
+        SKETCH_OUT,
+        SKETCH_TERMS,
+    )
+    al, al_next, kk, qq, ww, sw, dd = _small_inputs(
+        k, q, w, decay, skip, buf_decay, pid, s_c, n_c, H, G, K, V, C, BC, L1, HAS_X, HAS_SKIP
+    )
     s_n, n_n = _entry(slots, pos, pid + progs, n_items, H)
     cur = 0  # this item's slot of r_ring
     for item in range(pid, n_items, progs):
@@ -299,11 +406,34 @@ def _flush_pipelined_kernel(
         if SKETCH_OUT:
             r_next = r_ring.index(1 - cur)
         nxt = item + progs
-        _issue(state, buf_k, buf_w, ranks, frame_terms, nxt, s_n, n_n, s_smem, k_smem, w_smem, r_next,
-               H, G, K, V, C, BC, LS, LB, SKETCH_OUT, SKETCH_TERMS)
+        _issue(
+            state,
+            buf_k,
+            buf_w,
+            ranks,
+            frame_terms,
+            nxt,
+            s_n,
+            n_n,
+            s_smem,
+            k_smem,
+            w_smem,
+            r_next,
+            H,
+            G,
+            K,
+            V,
+            C,
+            BC,
+            LS,
+            LB,
+            SKETCH_OUT,
+            SKETCH_TERMS,
+        )
         nxt = gl.where(nxt < n_items, nxt, 0)
         al_n, al_next_n, kk_n, qq_n, ww_n, sw_n, dd_n = _small_inputs(
-            k, q, w, decay, skip, buf_decay, nxt, s_n, n_n, H, G, K, V, C, BC, L1, HAS_X, HAS_SKIP)
+            k, q, w, decay, skip, buf_decay, nxt, s_n, n_n, H, G, K, V, C, BC, L1, HAS_X, HAS_SKIP
+        )
         s_nn, n_nn = _entry(slots, pos, item + 2 * progs, n_items, H)
         if s_c >= 0:
             s64 = s_c.to(gl.int64)
@@ -328,9 +458,29 @@ def _flush_pipelined_kernel(
             else:
                 r_cur = k_smem  # (not read)
             # one 64-bit base per head, 32-bit offsets within it
-            _store_folded(St, state, rd, r_c, sk + (s64 * H + i_h) * sk_head_stride, m_c, frame_terms, r_cur,
-                          (s64 * H + i_h) * (K * V), i_g, K, V, HAS_READ, ROWS, SKETCH_OUT, SKETCH_TERMS, MMA,
-                          A_OP, B_OP, LS, LR)
+            _store_folded(
+                St,
+                state,
+                rd,
+                r_c,
+                sk + (s64 * H + i_h) * sk_head_stride,
+                m_c,
+                frame_terms,
+                r_cur,
+                (s64 * H + i_h) * (K * V),
+                i_g,
+                K,
+                V,
+                HAS_READ,
+                ROWS,
+                SKETCH_OUT,
+                SKETCH_TERMS,
+                MMA,
+                A_OP,
+                B_OP,
+                LS,
+                LR,
+            )
         s_c, n_c, s_n, n_n = s_n, n_n, s_nn, n_nn
         al, al_next, kk, qq, ww, sw, dd = al_n, al_next_n, kk_n, qq_n, ww_n, sw_n, dd_n
         cur = 1 - cur
@@ -349,8 +499,18 @@ def persistent_grid(n_items: int, per_sm: int, device: torch.device) -> tuple[in
     return (max(1, min(n_items, per_sm * _sm_count(index))),)
 
 
-def launch_persistent(kernel, args: tuple, frame_terms: torch.Tensor, *, batch: int, per_sm: int,
-                      num_warps: int, maxnreg: int = 0, parts: int = 1, **constexprs) -> None:
+def launch_persistent(
+    kernel,
+    args: tuple,
+    frame_terms: torch.Tensor,
+    *,
+    batch: int,
+    per_sm: int,
+    num_warps: int,
+    maxnreg: int = 0,
+    parts: int = 1,
+    **constexprs,
+) -> None:
     """Launch a persistent Gluon flush ``kernel`` on ``per_sm`` programs per SM (:func:`persistent_grid`)
     over its ``batch`` × H × ``parts`` work items (``parts`` per head): ``args`` are the chunked
     flush's arguments (``decode.flush``), then ``frame_terms`` (``SketchTables.frame_terms``; any

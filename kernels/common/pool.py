@@ -94,8 +94,11 @@ class DecodePool:
 
     def tensors(self) -> dict[str, Tensor]:
         """The pool's state (every tensor but the scratch ``workspace``), by field name."""
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name != "workspace" and getattr(self, f.name) is not None}
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name != "workspace" and getattr(self, f.name) is not None
+        }
 
     def clone(self) -> DecodePool:
         ws = None if self.workspace is None else torch.zeros_like(self.workspace)
@@ -200,8 +203,10 @@ class SketchTables:
         # head's read copy whole or not at all
         for name in ("maps", "frames"):
             if getattr(self, name).dtype != torch.float32:
-                raise ValueError(f"SketchTables.{name} must be float32 (the kernels read them as such), "
-                                 f"got {getattr(self, name).dtype}")
+                raise ValueError(
+                    f"SketchTables.{name} must be float32 (the kernels read them as such), "
+                    f"got {getattr(self, name).dtype}"
+                )
         key_dim = self.frames.shape[-1]
         bad = sorted(set(self.read_rows.tolist()) - {0, key_dim})
         if bad:
@@ -227,7 +232,7 @@ class SketchTables:
         groups, key_dim = self.frames.shape[0], self.frames.shape[-1]
         ranks = self.ranks.tolist()
         per_group = len(ranks) // groups
-        widths = [sum(ranks[g * per_group:(g + 1) * per_group]) for g in range(groups)]
+        widths = [sum(ranks[g * per_group : (g + 1) * per_group]) for g in range(groups)]
         width = max(1, max(widths))
         dev = self.maps.device
         packed = torch.zeros(groups, width, key_dim, dtype=torch.float32, device=dev)
@@ -236,8 +241,8 @@ class SketchTables:
             c = 0
             for i in range(per_group):
                 m = ranks[g * per_group + i]
-                packed[g, c:c + m] = self.maps[g * per_group + i, :m]
-                cols[g, c:c + m] = i * self.map_rows + torch.arange(m, dtype=torch.int32)
+                packed[g, c : c + m] = self.maps[g * per_group + i, :m]
+                cols[g, c : c + m] = i * self.map_rows + torch.arange(m, dtype=torch.int32)
                 c += m
         self.group_maps = packed
         self.group_cols = cols.to(dev)

@@ -58,10 +58,30 @@ ROWS = 16  # batch entries per coefficient program (the tensor-core tile's N)
 
 @triton.jit
 def _group_kernel(
-    slots, pos, q, k, buf_k, ws, group_maps, group_cols, group_width, B,
-    G: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, R: tl.constexpr,
-    RB: tl.constexpr, BB: tl.constexpr, DG: tl.constexpr, NO_DOTS: tl.constexpr, WS: tl.constexpr,
-    DOTS: tl.constexpr, Q_BF16: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr,
+    slots,
+    pos,
+    q,
+    k,
+    buf_k,
+    ws,
+    group_maps,
+    group_cols,
+    group_width,
+    B,
+    G: tl.constexpr,
+    K: tl.constexpr,
+    C: tl.constexpr,
+    BC: tl.constexpr,
+    R: tl.constexpr,
+    RB: tl.constexpr,
+    BB: tl.constexpr,
+    DG: tl.constexpr,
+    NO_DOTS: tl.constexpr,
+    WS: tl.constexpr,
+    DOTS: tl.constexpr,
+    Q_BF16: tl.constexpr,
+    EMULATE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (B·G/DG + G·⌈B/BB⌉·⌈R/RB⌉,), two kinds of program. ``ws`` row (slot, group):
     ``[coefficients (H/G)·M | dots C + 1]``, the dots starting at ``DOTS``.
@@ -88,15 +108,25 @@ def _group_kernel(
         qq = tl.load(q + x).to(tl.float32)
         k_new = tl.load(k + x)
         gb = (s * G + o_g) * C  # [DG]
-        kb = tl.load(buf_k + (gb[:, None, None] + o_c[None, :, None]) * K + o_k[None, None, :],
-                     mask=(o_c[None, :, None] < p) & (o_k[None, None, :] < K), other=0.0)
-        tl.store(buf_k + (gb + p)[:, None] * K + o_k[None, :], k_new.to(buf_k.dtype.element_ty),
-                 mask=o_k[None, :] < tl.where(live & (p < C), K, 0))
+        kb = tl.load(
+            buf_k + (gb[:, None, None] + o_c[None, :, None]) * K + o_k[None, None, :],
+            mask=(o_c[None, :, None] < p) & (o_k[None, None, :] < K),
+            other=0.0,
+        )
+        tl.store(
+            buf_k + (gb + p)[:, None] * K + o_k[None, :],
+            k_new.to(buf_k.dtype.element_ty),
+            mask=o_k[None, :] < tl.where(live & (p < C), K, 0),
+        )
         row = ws + (s * G + o_g) * WS + DOTS  # [DG]
-        tl.store(row[:, None] + o_c[None, :], tl.sum(kb.to(tl.float32) * qq[:, None, :], axis=2),
-                 mask=(o_g[:, None] < G) & (o_c[None, :] < p))
-        tl.store(row + p, tl.sum(k_new.to(tl.float32) * qq, axis=1),
-                 mask=o_g < tl.where(live & (p <= C), G, 0))
+        tl.store(
+            row[:, None] + o_c[None, :],
+            tl.sum(kb.to(tl.float32) * qq[:, None, :], axis=2),
+            mask=(o_g[:, None] < G) & (o_c[None, :] < p),
+        )
+        tl.store(
+            row + p, tl.sum(k_new.to(tl.float32) * qq, axis=1), mask=o_g < tl.where(live & (p <= C), G, 0)
+        )
     else:
         NR: tl.constexpr = (R + RB - 1) // RB
         tiles = tl.cdiv(B, BB) * NR  # per group
@@ -116,11 +146,15 @@ def _group_kernel(
         if NO_DOTS:  # noqa: SIM102
             if i_rb == 0:
                 p = tl.load(pos + o_b, mask=s_in >= 0, other=C)
-                kt = tl.load(k + (o_b[:, None] * G + i_g) * K + o_k[None, :], mask=o_b[:, None] < B,
-                             other=0.0)
+                kt = tl.load(
+                    k + (o_b[:, None] * G + i_g) * K + o_k[None, :], mask=o_b[:, None] < B, other=0.0
+                )
                 dst_k = (tl.maximum(s_in, 0).to(tl.int64) * G + i_g) * C + p
-                tl.store(buf_k + dst_k[:, None] * K + o_k[None, :], kt.to(buf_k.dtype.element_ty),
-                         mask=(p < C)[:, None] & (o_k[None, :] < K))
+                tl.store(
+                    buf_k + dst_k[:, None] * K + o_k[None, :],
+                    kt.to(buf_k.dtype.element_ty),
+                    mask=(p < C)[:, None] & (o_k[None, :] < K),
+                )
         if i_rb * RB < width:
             s = tl.maximum(s_in, 0).to(tl.int64)
             qt = tl.load(q + (o_b[None, :] * G + i_g) * K + o_k[:, None], mask=o_b[None, :] < B, other=0.0)
@@ -129,16 +163,45 @@ def _group_kernel(
                 coef = _dot_fk(pm, qt, coef, True, EMULATE)
             else:
                 coef = _dot_ff(pm, qt.to(tl.float32), coef, 3, EMULATE)
-            tl.store(ws + (s[None, :] * G + i_g) * WS + dst[:, None], coef,
-                     mask=(dst[:, None] >= 0) & (s_in >= 0)[None, :])
+            tl.store(
+                ws + (s[None, :] * G + i_g) * WS + dst[:, None],
+                coef,
+                mask=(dst[:, None] >= 0) & (s_in >= 0)[None, :],
+            )
 
 
 @triton.jit
 def _head_kernel(
-    slots, pos, q, k, w, decay, skip, out, buf_k, buf_w, buf_decay, rd, sk, ranks, ws, sk_head_stride,
-    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-    HP: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, M: tl.constexpr, WS: tl.constexpr,
-    DOTS: tl.constexpr, DOTS_HERE: tl.constexpr, HAS_SKIP: tl.constexpr, DENSE_ROWS: tl.constexpr,
+    slots,
+    pos,
+    q,
+    k,
+    w,
+    decay,
+    skip,
+    out,
+    buf_k,
+    buf_w,
+    buf_decay,
+    rd,
+    sk,
+    ranks,
+    ws,
+    sk_head_stride,
+    H: tl.constexpr,
+    G: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BV: tl.constexpr,
+    HP: tl.constexpr,
+    C: tl.constexpr,
+    BC: tl.constexpr,
+    M: tl.constexpr,
+    WS: tl.constexpr,
+    DOTS: tl.constexpr,
+    DOTS_HERE: tl.constexpr,
+    HAS_SKIP: tl.constexpr,
+    DENSE_ROWS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Grid (V // BV, H // HP, B): ``HP`` heads of one key group per program, as the leading
@@ -166,16 +229,23 @@ def _head_kernel(
     d_new = tl.load(decay + x).to(tl.float32)
     sk_h = sk + (s * H + o_hp) * sk_head_stride
     rows8 = o_r8[None, :] < m[:, None]  # [HP, 8]
-    st0 = tl.load(sk_h[:, None, None] + o_r8[None, :, None] * V + o_v[None, None, :], mask=rows8[:, :, None],
-                  other=0.0)
+    st0 = tl.load(
+        sk_h[:, None, None] + o_r8[None, :, None] * V + o_v[None, None, :], mask=rows8[:, :, None], other=0.0
+    )
     hb = (s * H + o_hp) * C
     # the buffer in two halves of BC/2 rows: the second one's sums only run when it holds tokens
     o_l = tl.arange(0, BC // 2)
     o_u = BC // 2 + o_l
-    wb_l = tl.load(buf_w + (hb[:, None, None] + o_l[None, :, None]) * V + o_v[None, None, :],
-                   mask=(o_l < p)[None, :, None], other=0.0)  # [HP, BC/2, BV]
-    wb_u = tl.load(buf_w + (hb[:, None, None] + o_u[None, :, None]) * V + o_v[None, None, :],
-                   mask=(o_u < p)[None, :, None], other=0.0)
+    wb_l = tl.load(
+        buf_w + (hb[:, None, None] + o_l[None, :, None]) * V + o_v[None, None, :],
+        mask=(o_l < p)[None, :, None],
+        other=0.0,
+    )  # [HP, BC/2, BV]
+    wb_u = tl.load(
+        buf_w + (hb[:, None, None] + o_u[None, :, None]) * V + o_v[None, None, :],
+        mask=(o_u < p)[None, :, None],
+        other=0.0,
+    )
     o_c = tl.arange(0, BC)
     al = tl.load(buf_decay + hb[:, None] + o_c[None, :], mask=(o_c < p)[None, :], other=1.0)
     al_next = tl.load(buf_decay + hb[:, None] + o_c[None, :] + 1, mask=(o_c + 1 < p)[None, :], other=1.0)
@@ -197,8 +267,11 @@ def _head_kernel(
     c_h = row + (o_hp % (H // G)) * M  # [HP] each head's coefficients
     coef = tl.load(c_h[:, None] + o_r8[None, :], mask=rows8, other=0.0)
     ok = live & (p < C)
-    tl.store(buf_w + (hb + p)[:, None] * V + o_v[None, :], w_new.to(buf_w.dtype.element_ty),
-             mask=o_v[None, :] < tl.where(ok, V, 0))
+    tl.store(
+        buf_w + (hb + p)[:, None] * V + o_v[None, :],
+        w_new.to(buf_w.dtype.element_ty),
+        mask=o_v[None, :] < tl.where(ok, V, 0),
+    )
     if i_v == 0:
         tl.store(buf_decay + hb + p, d_new.to(buf_decay.dtype.element_ty), mask=o_hp < tl.where(ok, H, 0))
     # the products over the whole [HP, BC] tile, then split in halves: Triton 3.6 fails an assertion
@@ -216,8 +289,11 @@ def _head_kernel(
     for r0 in range(8, tl.max(m, axis=0), 8):
         rows = (r0 + o_r8)[None, :] < m[:, None]
         c_r = tl.load(c_h[:, None] + r0 + o_r8[None, :], mask=rows, other=0.0)
-        st = tl.load(sk_h[:, None, None] + (r0 + o_r8)[None, :, None] * V + o_v[None, None, :],
-                     mask=rows[:, :, None], other=0.0)
+        st = tl.load(
+            sk_h[:, None, None] + (r0 + o_r8)[None, :, None] * V + o_v[None, None, :],
+            mask=rows[:, :, None],
+            other=0.0,
+        )
         ck += tl.sum(st.to(tl.float32) * c_r[:, :, None], axis=1)
     if tl.min(m, axis=0) == 0:  # dense heads: their read copy, one head at a time
         o_k = tl.arange(0, K)
@@ -230,20 +306,29 @@ def _head_kernel(
     o = z_new * w_new + d_new[:, None] * (acc + total[:, None] * ck)
     if HAS_SKIP:
         o += tl.load(skip + x[:, None] * V + o_v[None, :]).to(tl.float32)
-    tl.store(out + x[:, None] * V + o_v[None, :], o.to(out.dtype.element_ty),
-             mask=o_v[None, :] < tl.where(live, V, 0))
+    tl.store(
+        out + x[:, None] * V + o_v[None, :],
+        o.to(out.dtype.element_ty),
+        mask=o_v[None, :] < tl.where(live, V, 0),
+    )
 
 
 def usable(family: str, pool: DecodePool, tables: SketchTables, tokens: int) -> bool:
     """Whether a sketch read can take the split form: Mamba-2, one token, a pool with a workspace
     (``allocate_pool`` gives Mamba-2 sketch pools one) and tables packed for Mamba-2."""
-    return (family == "mamba2" and tokens == 1 and pool.workspace is not None
-            and tables.group_maps is not None)
+    return family == "mamba2" and tokens == 1 and pool.workspace is not None and tables.group_maps is not None
 
 
 def launch(
-    pool: DecodePool, tables: SketchTables, slots: Tensor, pos: Tensor, x: StepInputs, out: Tensor,
-    cfg: KernelConfig, block_v: int, dense_rows: int,
+    pool: DecodePool,
+    tables: SketchTables,
+    slots: Tensor,
+    pos: Tensor,
+    x: StepInputs,
+    out: Tensor,
+    cfg: KernelConfig,
+    block_v: int,
+    dense_rows: int,
 ) -> None:
     """The split sketch read of one token (``usable`` is True): :func:`launch_group` with
     ``cfg.split`` warps per program, then :func:`launch_heads` with ``cfg.num_warps`` warps and
@@ -257,9 +342,11 @@ def _workspace_layout(pool: DecodePool, tables: SketchTables, groups: int) -> tu
     m_rows = tables.map_rows
     width, dots = workspace_layout(pool.heads // groups, m_rows, pool.capacity)
     if pool.workspace.shape[-1] != width or pool.sketch.shape[2] != m_rows:
-        raise ValueError(f"the pool's workspace [.., {pool.workspace.shape[-1]}] and sketch "
-                         f"({pool.sketch.shape[2]} rows) do not fit tables of {m_rows} map rows: "
-                         f"allocate the pool with sketch_rows={m_rows}")
+        raise ValueError(
+            f"the pool's workspace [.., {pool.workspace.shape[-1]}] and sketch "
+            f"({pool.sketch.shape[2]} rows) do not fit tables of {m_rows} map rows: "
+            f"allocate the pool with sketch_rows={m_rows}"
+        )
     return width, dots
 
 
@@ -270,7 +357,12 @@ def _dividing_power_of_two(at_most: int, n: int) -> int:
 
 
 def launch_group(
-    pool: DecodePool, tables: SketchTables, slots: Tensor, pos: Tensor, x: StepInputs, cfg: KernelConfig,
+    pool: DecodePool,
+    tables: SketchTables,
+    slots: Tensor,
+    pos: Tensor,
+    x: StepInputs,
+    cfg: KernelConfig,
 ) -> None:
     """:func:`_group_kernel`, ``cfg.split`` warps per program and ``cfg.dots`` key groups per
     dot program: appends the new keys; the workspace gets the dots and coefficients."""
@@ -280,18 +372,43 @@ def launch_group(
     dg, warps = _dividing_power_of_two(max(cfg.dots, 1), g), cfg.split
     tiles = -(-b // ROWS) * -(-r // COLUMNS)
     _group_kernel[((b * (g // dg) if cfg.dots else 0) + g * tiles,)](
-        slots, pos, x.q, x.k, pool.buf_k, pool.workspace, tables.group_maps, tables.group_cols,
-        tables.group_width, b,
-        G=g, K=kd, C=pool.capacity, BC=_buffer_block(pool.capacity), R=r, RB=COLUMNS, BB=ROWS, DG=dg,
-        NO_DOTS=cfg.dots == 0, WS=width, DOTS=dots, Q_BF16=x.q.dtype == torch.bfloat16,
+        slots,
+        pos,
+        x.q,
+        x.k,
+        pool.buf_k,
+        pool.workspace,
+        tables.group_maps,
+        tables.group_cols,
+        tables.group_width,
+        b,
+        G=g,
+        K=kd,
+        C=pool.capacity,
+        BC=_buffer_block(pool.capacity),
+        R=r,
+        RB=COLUMNS,
+        BB=ROWS,
+        DG=dg,
+        NO_DOTS=cfg.dots == 0,
+        WS=width,
+        DOTS=dots,
+        Q_BF16=x.q.dtype == torch.bfloat16,
         EMULATE=_interpreting(),
         **_launch_options(KernelConfig(1, warps), pool.state.device),
     )
 
 
 def launch_heads(
-    pool: DecodePool, tables: SketchTables, slots: Tensor, pos: Tensor, x: StepInputs, out: Tensor,
-    cfg: KernelConfig, block_v: int, dense_rows: int,
+    pool: DecodePool,
+    tables: SketchTables,
+    slots: Tensor,
+    pos: Tensor,
+    x: StepInputs,
+    out: Tensor,
+    cfg: KernelConfig,
+    block_v: int,
+    dense_rows: int,
 ) -> None:
     """:func:`_head_kernel` over (V / BV, H / ``heads``, B), after :func:`launch_group`: appends
     w and the decays; writes ``out``."""
@@ -301,10 +418,35 @@ def launch_heads(
     sk = pool.sketch
     hp = _dividing_power_of_two(cfg.heads, h // g)
     _head_kernel[(vd // block_v, h // hp, b)](
-        slots, pos, x.q, x.k, x.w, x.decay, x.skip if x.skip is not None else x.w, out, pool.buf_k,
-        pool.buf_w, pool.buf_decay, pool.read, sk, tables.ranks, pool.workspace, sk.shape[2] * sk.shape[3],
-        H=h, G=g, K=kd, V=vd, BV=block_v, HP=hp, C=pool.capacity, BC=_buffer_block(pool.capacity),
-        M=tables.map_rows, WS=width, DOTS=dots, DOTS_HERE=cfg.dots == 0, HAS_SKIP=x.skip is not None,
+        slots,
+        pos,
+        x.q,
+        x.k,
+        x.w,
+        x.decay,
+        x.skip if x.skip is not None else x.w,
+        out,
+        pool.buf_k,
+        pool.buf_w,
+        pool.buf_decay,
+        pool.read,
+        sk,
+        tables.ranks,
+        pool.workspace,
+        sk.shape[2] * sk.shape[3],
+        H=h,
+        G=g,
+        K=kd,
+        V=vd,
+        BV=block_v,
+        HP=hp,
+        C=pool.capacity,
+        BC=_buffer_block(pool.capacity),
+        M=tables.map_rows,
+        WS=width,
+        DOTS=dots,
+        DOTS_HERE=cfg.dots == 0,
+        HAS_SKIP=x.skip is not None,
         DENSE_ROWS=dense_rows,
         **_launch_options(KernelConfig(1, cfg.num_warps), pool.state.device),
     )

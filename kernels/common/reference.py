@@ -202,4 +202,3 @@ def flush(
                     frame = tables.frames[h // per_group, :m].to(F64)
                     pool.sketch[s, h, :m] = _stored(frame @ st[h], pool.sketch.dtype)
     return out
-

@@ -88,8 +88,17 @@ def random_pool(
     """A pool with random states, read copy = the state cast to ``read_dtype``, random buffered
     tokens in every entry and a random sketch."""
     pool = allocate_pool(
-        family, slots, heads, groups, key_dim, value_dim, capacity=capacity, read_dtype=read_dtype,
-        sketch_rows=sketch_rows, input_dtype=input_dtype, device=device,
+        family,
+        slots,
+        heads,
+        groups,
+        key_dim,
+        value_dim,
+        capacity=capacity,
+        read_dtype=read_dtype,
+        sketch_rows=sketch_rows,
+        input_dtype=input_dtype,
+        device=device,
     )
     pool.state.copy_(0.3 * _rand(pool.state.shape, generator, device))
     if pool.read is not None:
@@ -98,8 +107,17 @@ def random_pool(
         pool.sketch.copy_(0.3 * _rand(pool.sketch.shape, generator, device))
     if capacity > 0:
         x = random_inputs(
-            family, slots, capacity, heads, groups, key_dim, value_dim, dtype=input_dtype,
-            device=device, generator=generator, skip=False,
+            family,
+            slots,
+            capacity,
+            heads,
+            groups,
+            key_dim,
+            value_dim,
+            dtype=input_dtype,
+            device=device,
+            generator=generator,
+            skip=False,
         )
         pool.buf_k.copy_(x.k.transpose(1, 2))
         pool.buf_w.copy_(x.w.transpose(1, 2))

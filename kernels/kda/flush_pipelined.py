@@ -65,9 +65,27 @@ def _suffix(p1, e1, i1, p2, e2, i2):
 
 @gluon.jit
 def _issue_window(
-    state, buf_k, buf_w, buf_decay, item, s, n, s_smem, k_smem, w_smem, a_smem, v0,
-    H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, C: gl.constexpr, BC: gl.constexpr,
-    LS: gl.constexpr, LB: gl.constexpr, LF: gl.constexpr, VT: gl.constexpr,
+    state,
+    buf_k,
+    buf_w,
+    buf_decay,
+    item,
+    s,
+    n,
+    s_smem,
+    k_smem,
+    w_smem,
+    a_smem,
+    v0,
+    H: gl.constexpr,
+    K: gl.constexpr,
+    V: gl.constexpr,
+    C: gl.constexpr,
+    BC: gl.constexpr,
+    LS: gl.constexpr,
+    LB: gl.constexpr,
+    LF: gl.constexpr,
+    VT: gl.constexpr,
 ):
     """Start the copies of head item ``item``'s window (slot ``s``, ``n`` buffered tokens) into
     shared memory, uncommitted: value columns ``v0 … v0 + VT`` of its state tile ([K, VT] fp32) and
@@ -97,9 +115,30 @@ def _issue_window(
 
 @gluon.jit
 def _issue(
-    state, buf_k, buf_w, buf_decay, ranks, frame_terms, item, s, n, s_smem, k_smem, w_smem, a_smem, r_smem,
-    H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, C: gl.constexpr, BC: gl.constexpr,
-    LS: gl.constexpr, LB: gl.constexpr, LF: gl.constexpr, SKETCH_OUT: gl.constexpr, RT: gl.constexpr,
+    state,
+    buf_k,
+    buf_w,
+    buf_decay,
+    ranks,
+    frame_terms,
+    item,
+    s,
+    n,
+    s_smem,
+    k_smem,
+    w_smem,
+    a_smem,
+    r_smem,
+    H: gl.constexpr,
+    K: gl.constexpr,
+    V: gl.constexpr,
+    C: gl.constexpr,
+    BC: gl.constexpr,
+    LS: gl.constexpr,
+    LB: gl.constexpr,
+    LF: gl.constexpr,
+    SKETCH_OUT: gl.constexpr,
+    RT: gl.constexpr,
 ):
     """Start the copies of work item ``item`` (slot ``s``, ``n`` buffered tokens) into shared
     memory: its state tile [K, V], buffered keys [BC, K], values [BC, V] and decays [BC, K] (rows
@@ -108,8 +147,29 @@ def _issue(
     padding slot or an item past the end copies zeros."""
     i_h = item % H
     live = s >= 0
-    _issue_window(state, buf_k, buf_w, buf_decay, item, s, n, s_smem, k_smem, w_smem, a_smem, 0, H, K, V, C,
-                  BC, LS, LB, LF, V)
+    _issue_window(
+        state,
+        buf_k,
+        buf_w,
+        buf_decay,
+        item,
+        s,
+        n,
+        s_smem,
+        k_smem,
+        w_smem,
+        a_smem,
+        0,
+        H,
+        K,
+        V,
+        C,
+        BC,
+        LS,
+        LB,
+        LF,
+        V,
+    )
     if SKETCH_OUT:
         sketched = live & (gl.load(ranks + i_h) > 0)
         o_kb = gl.arange(0, K, gl.SliceLayout(0, LB))
@@ -123,9 +183,27 @@ def _issue(
 
 @gluon.jit
 def _small_inputs(
-    k, q, w, decay, beta, skip, buf_beta, item, s, n, v0, H: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
-    C: gl.constexpr, BC: gl.constexpr, L1: gl.constexpr, LBT: gl.constexpr, HAS_X: gl.constexpr,
-    HAS_SKIP: gl.constexpr, VT: gl.constexpr,
+    k,
+    q,
+    w,
+    decay,
+    beta,
+    skip,
+    buf_beta,
+    item,
+    s,
+    n,
+    v0,
+    H: gl.constexpr,
+    K: gl.constexpr,
+    V: gl.constexpr,
+    C: gl.constexpr,
+    BC: gl.constexpr,
+    L1: gl.constexpr,
+    LBT: gl.constexpr,
+    HAS_X: gl.constexpr,
+    HAS_SKIP: gl.constexpr,
+    VT: gl.constexpr,
 ):
     """Head item ``item``'s small inputs, loaded one item ahead: the buffered betas [BC] (0 past
     n, in ``LBT``: every thread holds all of them) and with ``HAS_X`` the new token's key, query and
@@ -151,8 +229,9 @@ def _small_inputs(
 
 
 @gluon.jit
-def _decay_terms(a_smem, k_smem, kg_smem, kr_smem, tot_smem, n, K: gl.constexpr, BC: gl.constexpr,
-                 LD: gl.constexpr):
+def _decay_terms(
+    a_smem, k_smem, kg_smem, kr_smem, tot_smem, n, K: gl.constexpr, BC: gl.constexpr, LD: gl.constexpr
+):
     """From the buffered decays and keys (shared memory), the terms of both tensor-core products:
     ``K ⊙ Γ`` and ``K ⊙ ρ`` [BC, K] as three bf16 terms each (``kg_smem``, ``kr_smem`` [3, BC, K]),
     and the window's decay ``γ_{n−1}`` [K] (``tot_smem``). One key channel per thread, its tokens
@@ -227,20 +306,48 @@ def _dot3(a, terms, acc, A_OP: gl.constexpr, B_OP: gl.constexpr, TRANS: gl.const
 
 @gluon.jit
 def _flush_kda_kernel(
-    state, slots, pos, q, k, w, decay, beta, skip, out,
-    buf_k, buf_w, buf_decay, buf_beta,
-    rd, read_rows, sk, ranks, frames, sk_head_stride, frame_terms, n_items,
-    H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, C: gl.constexpr, BC: gl.constexpr,
-    HAS_X: gl.constexpr, HAS_SKIP: gl.constexpr, HAS_READ: gl.constexpr, ROWS: gl.constexpr,
-    SKETCH_OUT: gl.constexpr, SKETCH_TERMS: gl.constexpr,
+    state,
+    slots,
+    pos,
+    q,
+    k,
+    w,
+    decay,
+    beta,
+    skip,
+    out,
+    buf_k,
+    buf_w,
+    buf_decay,
+    buf_beta,
+    rd,
+    read_rows,
+    sk,
+    ranks,
+    frames,
+    sk_head_stride,
+    frame_terms,
+    n_items,
+    H: gl.constexpr,
+    K: gl.constexpr,
+    V: gl.constexpr,
+    C: gl.constexpr,
+    BC: gl.constexpr,
+    HAS_X: gl.constexpr,
+    HAS_SKIP: gl.constexpr,
+    HAS_READ: gl.constexpr,
+    ROWS: gl.constexpr,
+    SKETCH_OUT: gl.constexpr,
+    SKETCH_TERMS: gl.constexpr,
 ):
     """The flush over ``n_items`` work items (see the module docstring); the arguments are the
     chunked flush's (``frames``: unused, the sketch reads ``SketchTables.frame_terms``), then
     ``frame_terms``. BC is 16."""
     WARPS: gl.constexpr = gl.num_warps()
     TR: gl.constexpr = 16 // WARPS  # lanes along the 16 rows of a [16, *] tile
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS, 1],
-                                                  instr_shape=[16, 8])
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]
+    )
     A_OP: gl.constexpr = gl.DotOperandLayout(0, MMA, 2)
     B_OP: gl.constexpr = gl.DotOperandLayout(1, MMA, 2)
     # copies: 16 B per thread along the contiguous axis
@@ -281,10 +388,35 @@ def _flush_kda_kernel(
     o_vm = gl.arange(0, V, gl.SliceLayout(1, MMA))
     o_t = gl.arange(0, BC, LBT)
     s_c, n_c = _entry(slots, pos, pid, n_items, H)
-    _issue(state, buf_k, buf_w, buf_decay, ranks, frame_terms, pid, s_c, n_c, s_smem, k_ring.index(0),
-           w_ring.index(0), a_ring.index(0), r_next, H, K, V, C, BC, LS, LB, LF, SKETCH_OUT, RT)
-    bt, kk, qq, dd, ww, sw, bx = _small_inputs(k, q, w, decay, beta, skip, buf_beta, pid, s_c, n_c, 0, H, K,
-                                               V, C, BC, L1, LBT, HAS_X, HAS_SKIP, V)
+    _issue(
+        state,
+        buf_k,
+        buf_w,
+        buf_decay,
+        ranks,
+        frame_terms,
+        pid,
+        s_c,
+        n_c,
+        s_smem,
+        k_ring.index(0),
+        w_ring.index(0),
+        a_ring.index(0),
+        r_next,
+        H,
+        K,
+        V,
+        C,
+        BC,
+        LS,
+        LB,
+        LF,
+        SKETCH_OUT,
+        RT,
+    )
+    bt, kk, qq, dd, ww, sw, bx = _small_inputs(
+        k, q, w, decay, beta, skip, buf_beta, pid, s_c, n_c, 0, H, K, V, C, BC, L1, LBT, HAS_X, HAS_SKIP, V
+    )
     s_n, n_n = _entry(slots, pos, pid + progs, n_items, H)
     cur = 0  # this item's slot of the rings
     for item in range(pid, n_items, progs):
@@ -299,13 +431,56 @@ def _flush_kda_kernel(
         nxt = item + progs
         if SKETCH_OUT:
             r_next = r_ring.index(1 - cur)
-        _issue(state, buf_k, buf_w, buf_decay, ranks, frame_terms, nxt, s_n, n_n, s_smem,
-               k_ring.index(1 - cur), w_ring.index(1 - cur), a_ring.index(1 - cur), r_next,
-               H, K, V, C, BC, LS, LB, LF, SKETCH_OUT, RT)
+        _issue(
+            state,
+            buf_k,
+            buf_w,
+            buf_decay,
+            ranks,
+            frame_terms,
+            nxt,
+            s_n,
+            n_n,
+            s_smem,
+            k_ring.index(1 - cur),
+            w_ring.index(1 - cur),
+            a_ring.index(1 - cur),
+            r_next,
+            H,
+            K,
+            V,
+            C,
+            BC,
+            LS,
+            LB,
+            LF,
+            SKETCH_OUT,
+            RT,
+        )
         nxt = gl.where(nxt < n_items, nxt, 0)
         bt_n, kk_n, qq_n, dd_n, ww_n, sw_n, bx_n = _small_inputs(
-            k, q, w, decay, beta, skip, buf_beta, nxt, s_n, n_n, 0, H, K, V, C, BC, L1, LBT, HAS_X, HAS_SKIP,
-            V)
+            k,
+            q,
+            w,
+            decay,
+            beta,
+            skip,
+            buf_beta,
+            nxt,
+            s_n,
+            n_n,
+            0,
+            H,
+            K,
+            V,
+            C,
+            BC,
+            L1,
+            LBT,
+            HAS_X,
+            HAS_SKIP,
+            V,
+        )
         s_nn, n_nn = _entry(slots, pos, item + 2 * progs, n_items, H)
         if s_c >= 0:
             s64 = s_c.to(gl.int64)
@@ -343,23 +518,49 @@ def _flush_kda_kernel(
                 r_cur = r_ring.index(cur)
             else:
                 r_cur = kg_smem.index(0)  # (not read)
-            _store_folded(St, state, rd, r_c, sk + head * sk_head_stride, m_c, frame_terms, r_cur,
-                          head * (K * V), i_h, K, V, HAS_READ, ROWS, SKETCH_OUT, SKETCH_TERMS, MMA, A_OP,
-                          B_OP, LS, LR16)
+            _store_folded(
+                St,
+                state,
+                rd,
+                r_c,
+                sk + head * sk_head_stride,
+                m_c,
+                frame_terms,
+                r_cur,
+                head * (K * V),
+                i_h,
+                K,
+                V,
+                HAS_READ,
+                ROWS,
+                SKETCH_OUT,
+                SKETCH_TERMS,
+                MMA,
+                A_OP,
+                B_OP,
+                LS,
+                LR16,
+            )
         s_c, n_c, s_n, n_n = s_n, n_n, s_nn, n_nn
         bt, kk, qq, dd, ww, sw, bx = bt_n, kk_n, qq_n, dd_n, ww_n, sw_n, bx_n
         cur = 1 - cur
     async_copy.wait_group(0)
 
 
-def usable(heads: int, groups: int, key_dim: int, value_dim: int, capacity: int, num_warps: int,
-           block_v: int = 0) -> bool:
+def usable(
+    heads: int, groups: int, key_dim: int, value_dim: int, capacity: int, num_warps: int, block_v: int = 0
+) -> bool:
     """Whether this kernel takes a KDA pool of these dims (else the flush takes another kernel):
     one head per group, a buffer of at most 16 tokens (one chunk), 4 or 8 warps, and tiles its
     layouts cover (K ≥ 32; V ≥ 16 rows per warp). ``block_v`` is ignored: a work item is a whole
     head."""
-    return (groups == heads and 0 < capacity <= 16 and num_warps in (4, 8) and key_dim >= 32
-            and value_dim >= 16 * num_warps)
+    return (
+        groups == heads
+        and 0 < capacity <= 16
+        and num_warps in (4, 8)
+        and key_dim >= 32
+        and value_dim >= 16 * num_warps
+    )
 
 
 def launch(args: tuple, frame_terms: torch.Tensor, **options) -> None:

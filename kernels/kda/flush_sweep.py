@@ -84,10 +84,34 @@ else:  # Triton 3.6 (the device's)
 
 @gluon.jit
 def _issue(
-    state, buf_k, buf_w, buf_decay, buf_beta, m, frames, item, s, n, s_smem, k_smem, a_smem, w_smem, b_smem,
-    r_smem, H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, C: gl.constexpr, BC: gl.constexpr,
-    MR: gl.constexpr, LS: gl.constexpr, LB: gl.constexpr, LF: gl.constexpr, L1: gl.constexpr,
-    SKETCH_OUT: gl.constexpr, VB: gl.constexpr,
+    state,
+    buf_k,
+    buf_w,
+    buf_decay,
+    buf_beta,
+    m,
+    frames,
+    item,
+    s,
+    n,
+    s_smem,
+    k_smem,
+    a_smem,
+    w_smem,
+    b_smem,
+    r_smem,
+    H: gl.constexpr,
+    K: gl.constexpr,
+    V: gl.constexpr,
+    C: gl.constexpr,
+    BC: gl.constexpr,
+    MR: gl.constexpr,
+    LS: gl.constexpr,
+    LB: gl.constexpr,
+    LF: gl.constexpr,
+    L1: gl.constexpr,
+    SKETCH_OUT: gl.constexpr,
+    VB: gl.constexpr,
 ):
     """Start the copies of work item ``item`` (value columns ``VB · (item % (V / VB))`` onwards of a
     head item; slot ``s``, ``n`` buffered tokens) into shared memory: its state tile [K, VB] fp32,
@@ -97,8 +121,29 @@ def _issue(
     NV: gl.constexpr = V // VB
     i_h = (item // NV) % H
     live = s >= 0
-    _issue_window(state, buf_k, buf_w, buf_decay, item // NV, s, n, s_smem, k_smem, w_smem, a_smem,
-                  (item % NV) * VB, H, K, V, C, BC, LS, LB, LF, VB)
+    _issue_window(
+        state,
+        buf_k,
+        buf_w,
+        buf_decay,
+        item // NV,
+        s,
+        n,
+        s_smem,
+        k_smem,
+        w_smem,
+        a_smem,
+        (item % NV) * VB,
+        H,
+        K,
+        V,
+        C,
+        BC,
+        LS,
+        LB,
+        LF,
+        VB,
+    )
     # the betas read in the coefficients' layout: a copy instead of a layout conversion (two barriers)
     o_b = gl.arange(0, BC, L1)
     hb = (gl.where(live, s, 0).to(gl.int64) * H + i_h) * C
@@ -123,9 +168,25 @@ def _take_item(w_smem, r_smem, w_cur, r_cur, LB: gl.constexpr, LF: gl.constexpr,
 
 
 @gluon.jit
-def _coefficients(a_smem, k_smem, w_smem, r_smem, b_smem, n, dot_smem, upd_smem, scale_smem, w_cur, r_cur,
-                  K: gl.constexpr, BC: gl.constexpr, LD: gl.constexpr, LB: gl.constexpr, LF: gl.constexpr,
-                  SKETCH_OUT: gl.constexpr):
+def _coefficients(
+    a_smem,
+    k_smem,
+    w_smem,
+    r_smem,
+    b_smem,
+    n,
+    dot_smem,
+    upd_smem,
+    scale_smem,
+    w_cur,
+    r_cur,
+    K: gl.constexpr,
+    BC: gl.constexpr,
+    LD: gl.constexpr,
+    LB: gl.constexpr,
+    LF: gl.constexpr,
+    SKETCH_OUT: gl.constexpr,
+):
     """One head's per-token coefficient rows [BC, K] (``dot_smem``, ``upd_smem``) and final scale
     [K] (``scale_smem``) from its buffered decays, keys and betas [BC] (shared memory):
     ``β_j c_j ⊙ k_j``, ``k_j / c_j`` and ``c_{n−1}`` when every running product lies in
@@ -161,12 +222,40 @@ def _nth_item(pid, progs, t, n_mine, n_items, NV: gl.constexpr):
 
 @gluon.jit
 def _flush_kda_sweep_kernel(
-    state, slots, pos, q, k, w, decay, beta, skip, out,
-    buf_k, buf_w, buf_decay, buf_beta,
-    rd, read_rows, sk, ranks, frames, sk_head_stride, frame_terms, n_items,
-    H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, C: gl.constexpr, BC: gl.constexpr, MR: gl.constexpr,
-    HAS_X: gl.constexpr, HAS_SKIP: gl.constexpr, HAS_READ: gl.constexpr, ROWS: gl.constexpr,
-    SKETCH_OUT: gl.constexpr, VB: gl.constexpr,
+    state,
+    slots,
+    pos,
+    q,
+    k,
+    w,
+    decay,
+    beta,
+    skip,
+    out,
+    buf_k,
+    buf_w,
+    buf_decay,
+    buf_beta,
+    rd,
+    read_rows,
+    sk,
+    ranks,
+    frames,
+    sk_head_stride,
+    frame_terms,
+    n_items,
+    H: gl.constexpr,
+    K: gl.constexpr,
+    V: gl.constexpr,
+    C: gl.constexpr,
+    BC: gl.constexpr,
+    MR: gl.constexpr,
+    HAS_X: gl.constexpr,
+    HAS_SKIP: gl.constexpr,
+    HAS_READ: gl.constexpr,
+    ROWS: gl.constexpr,
+    SKETCH_OUT: gl.constexpr,
+    VB: gl.constexpr,
 ):
     """The flush over ``n_items`` work items (see the module docstring); the arguments are the
     chunked flush's (the sketch reads R from ``frames`` [H, K, K] fp32), then ``frame_terms``
@@ -231,12 +320,60 @@ def _flush_kda_sweep_kernel(
     item = _nth_item(pid, progs, 0, n_mine, n_items, NV)
     s_c, n_c = _entry(slots, pos, item, n_items, HV)
     m_c, r_c = _head_flags(ranks, read_rows, item // NV, H, SKETCH_OUT, ROWS)
-    _issue(state, buf_k, buf_w, buf_decay, buf_beta, m_c, frames, item, s_c, n_c, s_smem, k_smem, a_smem,
-           w_smem, b_smem, r_smem, H, K, V, C, BC, MR, LS, LB, LF, L1, SKETCH_OUT, VB)
+    _issue(
+        state,
+        buf_k,
+        buf_w,
+        buf_decay,
+        buf_beta,
+        m_c,
+        frames,
+        item,
+        s_c,
+        n_c,
+        s_smem,
+        k_smem,
+        a_smem,
+        w_smem,
+        b_smem,
+        r_smem,
+        H,
+        K,
+        V,
+        C,
+        BC,
+        MR,
+        LS,
+        LB,
+        LF,
+        L1,
+        SKETCH_OUT,
+        VB,
+    )
     item_c = gl.where(item < n_items, item, 0)
-    _, kk, qq, dd, ww, sw, bx = _small_inputs(k, q, w, decay, beta, skip, buf_beta, item_c // NV, s_c, n_c,
-                                               (item_c % NV) * VB, H, K, V, C, BC, L1, L1, HAS_X, HAS_SKIP,
-                                               VB)
+    _, kk, qq, dd, ww, sw, bx = _small_inputs(
+        k,
+        q,
+        w,
+        decay,
+        beta,
+        skip,
+        buf_beta,
+        item_c // NV,
+        s_c,
+        n_c,
+        (item_c % NV) * VB,
+        H,
+        K,
+        V,
+        C,
+        BC,
+        L1,
+        L1,
+        HAS_X,
+        HAS_SKIP,
+        VB,
+    )
     nxt = _nth_item(pid, progs, 1, n_mine, n_items, NV)
     s_n, n_n = _entry(slots, pos, nxt, n_items, HV)
     m_n, r_n = _head_flags(ranks, read_rows, nxt // NV, H, SKETCH_OUT, ROWS)
@@ -250,23 +387,88 @@ def _flush_kda_sweep_kernel(
         # item's start, ~6% of the kernel's warp samples)
         nxt_c = gl.where(nxt < n_items, nxt, 0)
         _, kk_n, qq_n, dd_n, ww_n, sw_n, bx_n = _small_inputs(
-            k, q, w, decay, beta, skip, buf_beta, nxt_c // NV, s_n, n_n, (nxt_c % NV) * VB, H, K, V, C, BC,
-            L1, L1, HAS_X, HAS_SKIP, VB)
+            k,
+            q,
+            w,
+            decay,
+            beta,
+            skip,
+            buf_beta,
+            nxt_c // NV,
+            s_n,
+            n_n,
+            (nxt_c % NV) * VB,
+            H,
+            K,
+            V,
+            C,
+            BC,
+            L1,
+            L1,
+            HAS_X,
+            HAS_SKIP,
+            VB,
+        )
         nxt2 = _nth_item(pid, progs, t + 2, n_mine, n_items, NV)
         s_nn, n_nn = _entry(slots, pos, nxt2, n_items, HV)
         m_nn, r_nn = _head_flags(ranks, read_rows, nxt2 // NV, H, SKETCH_OUT, ROWS)
         async_copy.wait_group(0)
         _barrier()  # (also: every thread is past the previous item's sweep)
         if t % NV == 0:  # a head's first item: its coefficient rows
-            fast = _coefficients(a_smem, k_smem, w_smem, r_smem, b_smem, n_c, dot_smem, upd_smem, scale_smem,
-                                 w_cur, r_cur, K, BC, LD, LB, LF, SKETCH_OUT)
+            fast = _coefficients(
+                a_smem,
+                k_smem,
+                w_smem,
+                r_smem,
+                b_smem,
+                n_c,
+                dot_smem,
+                upd_smem,
+                scale_smem,
+                w_cur,
+                r_cur,
+                K,
+                BC,
+                LD,
+                LB,
+                LF,
+                SKETCH_OUT,
+            )
         else:  # the head's rows are still in place: this item's values (and frame rows) only
             _take_item(w_smem, r_smem, w_cur, r_cur, LB, LF, SKETCH_OUT)
         S = s_smem.load(LT)
         _barrier()
         # the next head's copies run while this one is swept and stored
-        _issue(state, buf_k, buf_w, buf_decay, buf_beta, m_n, frames, nxt, s_n, n_n, s_smem, k_smem, a_smem,
-               w_smem, b_smem, r_smem, H, K, V, C, BC, MR, LS, LB, LF, L1, SKETCH_OUT, VB)
+        _issue(
+            state,
+            buf_k,
+            buf_w,
+            buf_decay,
+            buf_beta,
+            m_n,
+            frames,
+            nxt,
+            s_n,
+            n_n,
+            s_smem,
+            k_smem,
+            a_smem,
+            w_smem,
+            b_smem,
+            r_smem,
+            H,
+            K,
+            V,
+            C,
+            BC,
+            MR,
+            LS,
+            LB,
+            LF,
+            L1,
+            SKETCH_OUT,
+            VB,
+        )
         if s_c >= 0:
             head = s_c.to(gl.int64) * H + i_h
             if fast:
@@ -323,8 +525,9 @@ def _flush_kda_sweep_kernel(
                             rr = r_rows.index(r - r0 + i).permute([1, 0]).load(LT)
                             x = gl.sum(S * rr, axis=0, keep_dims=True)
                             row_ok = (r + i < m) & (o_v[None, :] < VB)
-                            gl.store(sk_h + ((r + i) * V + o_v[None, :]), x.to(sk.dtype.element_ty),
-                                     mask=row_ok)
+                            gl.store(
+                                sk_h + ((r + i) * V + o_v[None, :]), x.to(sk.dtype.element_ty), mask=row_ok
+                            )
         item, nxt = nxt, nxt2
         s_c, n_c, s_n, n_n = s_n, n_n, s_nn, n_nn
         m_c, m_n, r_c, r_n = m_n, m_nn, r_n, r_nn
@@ -332,14 +535,21 @@ def _flush_kda_sweep_kernel(
     async_copy.wait_group(0)
 
 
-def usable(heads: int, groups: int, key_dim: int, value_dim: int, capacity: int, num_warps: int,
-           block_v: int) -> bool:
+def usable(
+    heads: int, groups: int, key_dim: int, value_dim: int, capacity: int, num_warps: int, block_v: int
+) -> bool:
     """Whether this kernel takes a KDA pool of these dims in work items of ``block_v`` value columns
     (``KernelConfig.block_v``, clipped to V): one head per group, a buffer of at most 16 tokens, 16
     or 8 value columns per warp (up to 8 warps), ``block_v`` dividing V, and K a multiple of 32 (the
     tile layout's key rows)."""
-    return (groups == heads and 0 < capacity <= 16 and num_warps in (1, 2, 4, 8)
-            and block_v in (8 * num_warps, 16 * num_warps) and value_dim % block_v == 0 and key_dim % 32 == 0)
+    return (
+        groups == heads
+        and 0 < capacity <= 16
+        and num_warps in (1, 2, 4, 8)
+        and block_v in (8 * num_warps, 16 * num_warps)
+        and value_dim % block_v == 0
+        and key_dim % 32 == 0
+    )
 
 
 # the shared memory an SM gives its programs (the H200's 228 KB, less 1 KB per program for the
@@ -352,8 +562,14 @@ def shared_bytes(key_dim: int, value_cols: int, frame_rows: int) -> int:
     """The shared memory of one program (BC = 16): the state tile [K, VB] fp32; keys [16, K] bf16;
     decays and both coefficient planes [16, K] fp32; values [16, VB] bf16 twice; the scale [K]; and
     two [MR, K] fp32 frame buffers."""
-    return (4 * key_dim * value_cols + 2 * 16 * key_dim + 3 * 4 * 16 * key_dim + 2 * 2 * 16 * value_cols
-            + 4 * key_dim + 2 * 4 * frame_rows * key_dim)
+    return (
+        4 * key_dim * value_cols
+        + 2 * 16 * key_dim
+        + 3 * 4 * 16 * key_dim
+        + 2 * 2 * 16 * value_cols
+        + 4 * key_dim
+        + 2 * 4 * frame_rows * key_dim
+    )
 
 
 def frame_rows(per_sm: int, key_dim: int, value_cols: int) -> int:

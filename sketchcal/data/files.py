@@ -29,8 +29,10 @@ def iter_path_documents(path: Path, text_field: str = "text") -> Iterator[str]:
     if not path.is_dir():
         return iter_file_documents(path, text_field)
     files = [
-        p for p in path.rglob("*")
-        if p.is_file() and p.suffix.lower() in SUPPORTED_SUFFIXES
+        p
+        for p in path.rglob("*")
+        if p.is_file()
+        and p.suffix.lower() in SUPPORTED_SUFFIXES
         and not any(part.startswith(".") for part in p.relative_to(path).parts)
     ]
     if not files:

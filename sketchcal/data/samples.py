@@ -176,7 +176,8 @@ def build_samples(
         "text_field": None if is_builtin(source) else text_field,
         "revision": revision,
         "heldout_rule": (
-            "builtin heldout.jsonl" if is_builtin(source)
+            "builtin heldout.jsonl"
+            if is_builtin(source)
             else f"sha256 of the document text, {HELDOUT_FRACTION:.0%} of documents"
         ),
         "seq_len": seq_len,
@@ -203,15 +204,19 @@ def _pick_windows(
     if pool.n_docs == 0:
         raise SketchcalError(
             f"data source {source!r} has no non-empty {pool.name} documents"
-            + ("" if pool.name == "calib" else
-               f" (about {HELDOUT_FRACTION:.0%} of a source's documents are held out); use heldout_samples=0 "
-               "or a source with more documents")
+            + (
+                ""
+                if pool.name == "calib"
+                else f" (about {HELDOUT_FRACTION:.0%} of a source's documents are held out); "
+                "use heldout_samples=0 or a source with more documents"
+            )
         )
     stream = pool.stream()
     available = len(stream) // pool.window
     if available < pool.wanted:
         length = (
-            f"{pool.window} text tokens (seq_len minus {overhead} for the chat template)" if chat
+            f"{pool.window} text tokens (seq_len minus {overhead} for the chat template)"
+            if chat
             else f"{pool.window} tokens"
         )
         arg = "num_samples" if pool.name == "calib" else "heldout_samples"

@@ -25,7 +25,15 @@ def test_tuned_dry_run_tries_every_candidate(family):
     shape = bench.ModelShape("tiny", heads=2, groups=2 if family == "kda" else 1, key_dim=16, value_dim=V)
     window = 4
     r = bench.run_bench(
-        family, 2, rank=4, window=window, pools=1, shape=shape, tune=True, anchor=False, replays=1,
+        family,
+        2,
+        rank=4,
+        window=window,
+        pools=1,
+        shape=shape,
+        tune=True,
+        anchor=False,
+        replays=1,
         _cpu_dry_run=True,
     )
     for kernel, group in (("replay", "replay"), ("sketch", "sketch"), ("flush_replay", "flush")):
@@ -52,8 +60,17 @@ def test_candidates_tune_only_the_kernels_named():
     shape = bench.ModelShape("tiny", heads=2, groups=1, key_dim=16, value_dim=V)
     given = [bench.parse_config("16,1,sweep,vec=2"), bench.parse_config("16,1,chunked")]
     r = bench.run_bench(
-        "gdn", 2, rank=4, window=3, pools=1, shape=shape, tune=True, anchor=False, replays=1,
-        candidates={"flush_sketch": given}, _cpu_dry_run=True,
+        "gdn",
+        2,
+        rank=4,
+        window=3,
+        pools=1,
+        shape=shape,
+        tune=True,
+        anchor=False,
+        replays=1,
+        candidates={"flush_sketch": given},
+        _cpu_dry_run=True,
     )
     assert set(r["tuning"]) == {"flush_sketch"}
     fields = tuple(f.name for f in dataclass_fields(KernelConfig))
@@ -72,8 +89,10 @@ def test_bad_candidates_are_one_clear_error(candidates):
     [
         ("16,1,sweep,vec=2", KernelConfig(16, 1, chunked=False, vec=2)),
         ("64,4,cap=128", KernelConfig(64, 4, maxnreg=128)),
-        ("128,1,sweep,cap=64,group=2,rows=16,late_map",
-         KernelConfig(128, 1, chunked=False, maxnreg=64, group=2, dense_rows=16, early_map=False)),
+        (
+            "128,1,sweep,cap=64,group=2,rows=16,late_map",
+            KernelConfig(128, 1, chunked=False, maxnreg=64, group=2, dense_rows=16, early_map=False),
+        ),
         ("16,1,sweep,vec=2,prefetch", KernelConfig(16, 1, chunked=False, vec=2, prefetch=True)),
         ("64,4,pipe=2,cap=168", KernelConfig(64, 4, pipelined=2, maxnreg=168)),
     ],
@@ -110,8 +129,9 @@ def test_byte_model_counts_the_tensors_each_call_touches(family, read_dtype):
     ranks = rank_spread(h, 8, kd)
     rd = bench.READ_DTYPES[read_dtype]
     tables = random_sketch(family, ranks, g, kd)
-    pool = allocate_pool(family, batch, h, g, kd, vd, capacity=cap, read_dtype=rd,
-                         sketch_rows=tables.map_rows)
+    pool = allocate_pool(
+        family, batch, h, g, kd, vd, capacity=cap, read_dtype=rd, sketch_rows=tables.map_rows
+    )
     x = random_inputs(family, batch, 1, h, g, kd, vd)
     bm = bench.ByteModel(family, batch, shape, ranks, read_bytes=rd.itemsize)
     inputs = sum(_touched(t) for t in (x.k, x.q, x.w, x.decay, x.beta, x.skip)) + _touched(x.w)  # + out
@@ -126,14 +146,17 @@ def test_byte_model_counts_the_tensors_each_call_touches(family, read_dtype):
         assert bm.sketch_step(p) == sketch_rows + buffered + appended + inputs + maps
         assert bm.replay_step(p) == _touched(pool.read) + buffered + appended + inputs
     n = 5
-    folded = sum(_touched(t, (slice(None), slice(None), slice(0, n)))
-                 for t in (pool.buf_k, pool.buf_w, pool.buf_decay, pool.buf_beta))
+    folded = sum(
+        _touched(t, (slice(None), slice(None), slice(0, n)))
+        for t in (pool.buf_k, pool.buf_w, pool.buf_decay, pool.buf_beta)
+    )
     assert bm.flush(n, sketch=False) == 2 * _touched(pool.state) + _touched(pool.read) + folded + inputs
     assert bm.standard() == 2 * _touched(pool.state) + inputs
     if family == "mamba2":  # the split read also writes and reads the workspace's dots and coefficients
         split = bench.ByteModel(family, batch, shape, ranks, read_bytes=rd.itemsize, split=True)
-        no_dots = bench.ByteModel(family, batch, shape, ranks, read_bytes=rd.itemsize, split=True,
-                                  split_dots=False)  # the head kernel computes them
+        no_dots = bench.ByteModel(
+            family, batch, shape, ranks, read_bytes=rd.itemsize, split=True, split_dots=False
+        )  # the head kernel computes them
         dots = (h // g) * tables.map_rows
         for p in (0, 3):
             coefficients = batch * sum(ranks) * pool.workspace.element_size()
@@ -145,11 +168,24 @@ def test_byte_model_counts_the_tensors_each_call_touches(family, read_dtype):
 def test_fp8_read_copy_dry_run():
     """The benchmark builds and runs fp8 (e4m3) pools: read copy and sketch."""
     shape = bench.ModelShape("tiny", heads=2, groups=2, key_dim=16, value_dim=V)
-    r = bench.run_bench("kda", 2, rank=4, window=3, read_dtype="fp8", pools=1, shape=shape, anchor=False,
-                        replays=1, _cpu_dry_run=True)
-    assert r["ops"]["replay_step"]["bytes"] < bench.run_bench(
-        "kda", 2, rank=4, window=3, pools=1, shape=shape, anchor=False, replays=1, _cpu_dry_run=True
-    )["ops"]["replay_step"]["bytes"]
+    r = bench.run_bench(
+        "kda",
+        2,
+        rank=4,
+        window=3,
+        read_dtype="fp8",
+        pools=1,
+        shape=shape,
+        anchor=False,
+        replays=1,
+        _cpu_dry_run=True,
+    )
+    assert (
+        r["ops"]["replay_step"]["bytes"]
+        < bench.run_bench(
+            "kda", 2, rank=4, window=3, pools=1, shape=shape, anchor=False, replays=1, _cpu_dry_run=True
+        )["ops"]["replay_step"]["bytes"]
+    )
 
 
 def test_split_sketch_read_dry_run():
@@ -189,8 +225,18 @@ def test_staggered_schedule_walks_every_slot_through_one_window(batch, window):
 
 def test_staggered_dry_run_times_both_schedules_and_counts_a_window_of_bytes():
     shape = bench.ModelShape("tiny", heads=2, groups=1, key_dim=16, value_dim=V)
-    r = bench.run_bench("mamba2", 5, rank=4, window=4, pools=1, shape=shape, anchor=False, replays=1,
-                        staggered=True, _cpu_dry_run=True)
+    r = bench.run_bench(
+        "mamba2",
+        5,
+        rank=4,
+        window=4,
+        pools=1,
+        shape=shape,
+        anchor=False,
+        replays=1,
+        staggered=True,
+        _cpu_dry_run=True,
+    )
     o = r["ops"]
     for mode in ("replay", "sketch"):
         for op in (f"{mode}_staggered", f"{mode}_staggered_serial"):
@@ -198,9 +244,12 @@ def test_staggered_dry_run_times_both_schedules_and_counts_a_window_of_bytes():
             assert r["speedups"][f"{op}_vs_standard"] == pytest.approx(
                 4 * o["standard"]["us"] / o[op]["us"], rel=1e-6
             )
-    assert "replay_staggered" not in bench.run_bench(
-        "mamba2", 2, rank=4, window=2, pools=1, shape=shape, anchor=False, replays=1, _cpu_dry_run=True
-    )["ops"]
+    assert (
+        "replay_staggered"
+        not in bench.run_bench(
+            "mamba2", 2, rank=4, window=2, pools=1, shape=shape, anchor=False, replays=1, _cpu_dry_run=True
+        )["ops"]
+    )
 
 
 def test_fp8_pools_take_the_shapes_tuned_for_fp8():

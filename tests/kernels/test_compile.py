@@ -25,7 +25,10 @@ def test_every_launch_compiles_for_sm90():
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.6's default, as on the device
     r = subprocess.run(
         [sys.executable, str(ROOT / "kernels" / "resources.py"), "check"],
-        env=env, capture_output=True, text=True, timeout=1800,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
     )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     last = r.stdout.strip().splitlines()[-1]

@@ -50,7 +50,14 @@ def _unaddressed(slots: torch.Tensor, n_slots: int) -> list[int]:
 
 
 def run_case(
-    family: str, op: str, shape, dtype_name: str, device, seed: int = 0, real: bool = False, config=None,
+    family: str,
+    op: str,
+    shape,
+    dtype_name: str,
+    device,
+    seed: int = 0,
+    real: bool = False,
+    config=None,
     fp32_tol: float = 1e-5,
 ):
     h, g, kd, vd = shape
@@ -64,8 +71,18 @@ def run_case(
     sketch = op.endswith("sketch")
     tables = random_sketch(family, _ranks(h, kd, real), g, kd, gen).to(device)
     pool = random_pool(
-        family, n_slots, h, g, kd, vd, capacity=cap, read_dtype=read_dtype, sketch_rows=tables.map_rows,
-        input_dtype=dtype, device=device, generator=gen,
+        family,
+        n_slots,
+        h,
+        g,
+        kd,
+        vd,
+        capacity=cap,
+        read_dtype=read_dtype,
+        sketch_rows=tables.map_rows,
+        input_dtype=dtype,
+        device=device,
+        generator=gen,
     )
     x = random_inputs(family, b, tokens, h, g, kd, vd, dtype=dtype, device=device, generator=gen)
     top = cap + 1 if op.startswith("flush") else cap - tokens + 1
@@ -187,8 +204,9 @@ def test_split_sketch_read_many_entries_cpu(dots):
     gen = torch.Generator().manual_seed(25)
     tables = random_sketch("mamba2", [4, 0, 12, 8, 8, 4, 4, 0], g, kd, gen)
     n_slots, cap = read_split.ROWS + 12, 16  # buffers more than half full too
-    pool = random_pool("mamba2", n_slots, h, g, kd, vd, capacity=cap, sketch_rows=tables.map_rows,
-                       generator=gen)
+    pool = random_pool(
+        "mamba2", n_slots, h, g, kd, vd, capacity=cap, sketch_rows=tables.map_rows, generator=gen
+    )
     slots = torch.randperm(n_slots, generator=gen)[: read_split.ROWS + 6].to(torch.int32)
     slots[[3, read_split.ROWS + 2]] = -1
     b = slots.numel()
@@ -274,15 +292,18 @@ def test_packed_group_maps_hold_each_heads_rows():
             assert r < ranks[head]
             assert torch.equal(tables.group_maps[gi, c], tables.maps[head, r])
             seen += 1
-        assert seen == sum(ranks[gi * per_group:(gi + 1) * per_group])
+        assert seen == sum(ranks[gi * per_group : (gi + 1) * per_group])
     assert random_sketch("gdn", ranks, g, kd).group_maps is None
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("family", "config"),
-    [("mamba2", decode.default_config("flush_sketch", "mamba2")), ("mamba2", decode.KernelConfig(64, 4)),
-     ("gdn", decode.KernelConfig(64, 4))],
+    [
+        ("mamba2", decode.default_config("flush_sketch", "mamba2")),
+        ("mamba2", decode.KernelConfig(64, 4)),
+        ("gdn", decode.KernelConfig(64, 4)),
+    ],
     ids=["mamba2-gluon", "mamba2-chunked", "gdn-chunked"],
 )
 def test_tensor_core_flush_sketches_the_bf16_state_gpu(family, config):
@@ -297,8 +318,9 @@ def test_tensor_core_flush_sketches_the_bf16_state_gpu(family, config):
     gen = torch.Generator().manual_seed(31)
     ranks = _ranks(h, kd, True)
     tables = random_sketch(family, ranks, g, kd, gen).to("cuda")
-    pool = random_pool(family, 5, h, g, kd, vd, capacity=16, sketch_rows=tables.map_rows, device="cuda",
-                       generator=gen)
+    pool = random_pool(
+        family, 5, h, g, kd, vd, capacity=16, sketch_rows=tables.map_rows, device="cuda", generator=gen
+    )
     slots = torch.tensor([4, 1, 3], dtype=torch.int32, device="cuda")
     pos = torch.tensor([15, 7, 0], dtype=torch.int32, device="cuda")
     x = random_inputs(family, 3, 1, h, g, kd, vd, device="cuda", generator=gen)
@@ -396,8 +418,18 @@ def test_bf16_read_copy_is_close_to_exact():
     """A bf16 read copy costs at most bf16 accuracy against the exact fp32 checkpoint."""
     family, (h, g, kd, vd) = "gdn", CPU_SHAPES["gdn"][0]
     gen = torch.Generator().manual_seed(5)
-    pool = random_pool(family, 3, h, g, kd, vd, capacity=4, read_dtype=torch.bfloat16,
-                       input_dtype=torch.float32, generator=gen)
+    pool = random_pool(
+        family,
+        3,
+        h,
+        g,
+        kd,
+        vd,
+        capacity=4,
+        read_dtype=torch.bfloat16,
+        input_dtype=torch.float32,
+        generator=gen,
+    )
     slots, pos = torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([0, 2, 3], dtype=torch.int32)
     x = random_inputs(family, 3, 1, h, g, kd, vd, dtype=torch.float32, generator=gen)
     got = decode.replay_step(family, pool.clone(), slots, pos, x)
@@ -409,8 +441,9 @@ def test_bf16_read_copy_is_close_to_exact():
 
 def _kda_window_pool(gen, read_dtype=torch.bfloat16):
     h, g, kd, vd = CPU_SHAPES["kda"][0]
-    pool = random_pool("kda", 3, h, g, kd, vd, capacity=8, read_dtype=read_dtype, input_dtype=torch.float32,
-                       generator=gen)
+    pool = random_pool(
+        "kda", 3, h, g, kd, vd, capacity=8, read_dtype=read_dtype, input_dtype=torch.float32, generator=gen
+    )
     x = random_inputs("kda", 3, 1, h, g, kd, vd, dtype=torch.float32, generator=gen)
     slots, pos = torch.tensor([2, 0, 1], dtype=torch.int32), torch.tensor([8, 5, 0], dtype=torch.int32)
     return pool, x, slots, pos
@@ -476,8 +509,12 @@ def test_partial_read_rows_are_refused():
 
 @pytest.mark.parametrize(
     ("kwargs", "field"),
-    [(dict(dense_rows=12), "dense_rows"), (dict(block_v=48), "block_v"), (dict(num_warps=0), "num_warps"),
-     (dict(group=-1), "group")],
+    [
+        (dict(dense_rows=12), "dense_rows"),
+        (dict(block_v=48), "block_v"),
+        (dict(num_warps=0), "num_warps"),
+        (dict(group=-1), "group"),
+    ],
 )
 def test_bad_launch_shapes_are_refused(kwargs, field):
     args = dict(block_v=64, num_warps=1) | kwargs
@@ -574,8 +611,21 @@ def test_gluon_flush_launchers_pass_the_grid_and_shape(monkeypatch):
     monkeypatch.setattr(kda_flush, "_flush_kda_kernel", Recorder())
     args = (SimpleNamespace(device=torch.device("cuda", 0)), "slots")
     flags = dict(HAS_X=True, HAS_SKIP=False, HAS_READ=True, ROWS=True, SKETCH_OUT=True, SKETCH_TERMS=1)
-    flush_pipelined.launch(args, "terms", H=64, G=8, K=128, V=64, C=16, BC=16, batch=256, per_sm=3,
-                           num_warps=4, maxnreg=168, **flags)
+    flush_pipelined.launch(
+        args,
+        "terms",
+        H=64,
+        G=8,
+        K=128,
+        V=64,
+        C=16,
+        BC=16,
+        batch=256,
+        per_sm=3,
+        num_warps=4,
+        maxnreg=168,
+        **flags,
+    )
     kda_flush.launch(args, "terms", H=32, K=128, V=128, C=16, batch=2, per_sm=1, num_warps=8, **flags)
     (grid_m, args_m, kw_m), (grid_k, args_k, kw_k) = launches
     assert grid_m == (396,) and args_m == (*args, "terms", 256 * 64)
@@ -591,8 +641,12 @@ def test_kda_pipelined_flush_takes_the_pools_its_layouts_cover(monkeypatch):
 
     def pool(h=32, g=32, kd=128, vd=128, cap=16):
         bf16 = SimpleNamespace(dtype=torch.bfloat16, shape=(1, g, cap, kd))
-        return SimpleNamespace(state=SimpleNamespace(is_cuda=True, shape=(1, h, kd, vd)), buf_k=bf16,
-                               buf_w=SimpleNamespace(dtype=torch.bfloat16), capacity=cap)
+        return SimpleNamespace(
+            state=SimpleNamespace(is_cuda=True, shape=(1, h, kd, vd)),
+            buf_k=bf16,
+            buf_w=SimpleNamespace(dtype=torch.bfloat16),
+            capacity=cap,
+        )
 
     eight, four = decode.KernelConfig(128, 8, pipelined=1), decode.KernelConfig(128, 4, pipelined=1)
     assert decode._pipelined(eight, "kda", pool()) and decode._pipelined(four, "kda", pool(vd=64))
@@ -644,8 +698,9 @@ def test_pipelined_flush_gpu(shape, op, dtype):
     inputs = DTYPES.get(dtype, torch.bfloat16)
     probe = random_pool("mamba2", 1, h, g, kd, vd, capacity=16, input_dtype=inputs, device="cuda")
     assert decode._pipelined(config, "mamba2", probe) == (dtype != "fp32")
-    run_case("mamba2", op, GPU_SHAPES["mamba2"], dtype, "cuda", seed=19, real=True, config=config,
-             fp32_tol=1e-6)
+    run_case(
+        "mamba2", op, GPU_SHAPES["mamba2"], dtype, "cuda", seed=19, real=True, config=config, fp32_tol=1e-6
+    )
 
 
 @pytest.mark.gpu
@@ -668,8 +723,9 @@ def _many_heads_per_program(family, op, capacity, reference_config, config, cycl
     gen = torch.Generator().manual_seed(23)
     tables = random_sketch(family, ranks or _ranks(h, kd, True), g, kd, gen).to("cuda")
     sketch = op.endswith("sketch")
-    pool = random_pool(family, 80, h, g, kd, vd, capacity=capacity, sketch_rows=tables.map_rows,
-                       device="cuda", generator=gen)
+    pool = random_pool(
+        family, 80, h, g, kd, vd, capacity=capacity, sketch_rows=tables.map_rows, device="cuda", generator=gen
+    )
     slots = torch.randperm(80, generator=gen)[:64].to(torch.int32).cuda()
     slots[5] = -1
     if cyclic:
@@ -699,11 +755,14 @@ KDA_PIPELINED = [decode.KernelConfig(128, 8, pipelined=1), decode.KernelConfig(1
 # columns: 16 per warp at 8 warps (a head per item), one program per SM; at 4 warps (half a head), two
 # or three programs per SM; at 2 warps (a quarter), four. 8 per warp: half a head on 8 warps, a
 # quarter on 4, four programs per SM
-KDA_SWEEP = [decode.KernelConfig(128, 8, False, pipelined=1), decode.KernelConfig(64, 4, False, pipelined=2),
-             decode.KernelConfig(64, 4, False, maxnreg=168, pipelined=3),
-             decode.KernelConfig(32, 2, False, pipelined=4),
-             decode.KernelConfig(64, 8, False, maxnreg=128, pipelined=2),
-             decode.KernelConfig(32, 4, False, maxnreg=128, pipelined=4)]
+KDA_SWEEP = [
+    decode.KernelConfig(128, 8, False, pipelined=1),
+    decode.KernelConfig(64, 4, False, pipelined=2),
+    decode.KernelConfig(64, 4, False, maxnreg=168, pipelined=3),
+    decode.KernelConfig(32, 2, False, pipelined=4),
+    decode.KernelConfig(64, 8, False, maxnreg=128, pipelined=2),
+    decode.KernelConfig(32, 4, False, maxnreg=128, pipelined=4),
+]
 SWEEP_IDS = ["sweep", "sweep_half", "sweep_half3", "sweep_quarter", "sweep_half_cw8", "sweep_quarter_cw8"]
 KDA_IDS = ["warps8", "warps4", *SWEEP_IDS]
 # the reference the persistent flushes are held to on many heads: KDA's Triton sweep
@@ -860,8 +919,9 @@ def test_window_in_cuda_graph_with_dependent_launch_gpu(family, monkeypatch):
     gen = torch.Generator().manual_seed(5)
     tables = random_sketch(family, _ranks(h, kd, True), g, kd, gen).to("cuda")
     batch, cap = 256, 16
-    pool = random_pool(family, batch, h, g, kd, vd, capacity=cap, sketch_rows=tables.map_rows,
-                       device="cuda", generator=gen)
+    pool = random_pool(
+        family, batch, h, g, kd, vd, capacity=cap, sketch_rows=tables.map_rows, device="cuda", generator=gen
+    )
     slots = torch.randperm(batch, generator=gen).to(torch.int32).cuda()
     slots[3] = -1
     xs = [random_inputs(family, batch, 1, h, g, kd, vd, device="cuda", generator=gen) for _ in range(cap)]

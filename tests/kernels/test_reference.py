@@ -21,8 +21,19 @@ SHAPES = {"mamba2": (4, 2, 16, 8), "gdn": (4, 2, 16, 8), "kda": (3, 3, 16, 8)}  
 
 def _f64_pool(family, slots, capacity, gen):
     h, g, k, v = SHAPES[family]
-    pool = random_pool(family, slots, h, g, k, v, capacity=capacity, read_dtype=torch.float32,
-                       sketch_rows=8, input_dtype=torch.float32, generator=gen)
+    pool = random_pool(
+        family,
+        slots,
+        h,
+        g,
+        k,
+        v,
+        capacity=capacity,
+        read_dtype=torch.float32,
+        sketch_rows=8,
+        input_dtype=torch.float32,
+        generator=gen,
+    )
     return DecodePool(**{name: t.to(F64) for name, t in pool.tensors().items()})
 
 
