@@ -1,4 +1,11 @@
-"""Atomic file and directory writes: a reader never sees a half-written file."""
+"""Atomic file and directory writes: a reader never sees a half-written file.
+
+A write goes to a hidden temporary sibling ``.<name>.<host>-<pid>.<random>.tmp`` (``.partial`` for a
+directory) and is renamed into place. Files get the permissions the user's umask gives (0644 / 0755
+by default), not ``tempfile``'s private 0600 / 0700, so a serving process under another user can read
+an artifact. A process killed mid-write leaves its temporary behind; the next atomic write into the
+same directory removes every temporary of this host whose process is gone.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +14,9 @@ import errno
 import json
 import math
 import os
+import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +29,51 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def _owner_tag() -> str:
+    host = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
+    return f"{host}-{os.getpid()}"
+
+
+_TEMP_NAME = re.compile(r"^\..+\.(?P<host>[A-Za-z0-9_-]+)-(?P<pid>\d+)\.[^.]+\.(tmp|partial)$")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
+    """Delete the temporaries that interrupted writes of this host left in ``directory``.
+
+    Only names of the form this module creates are considered, and only those whose writing process
+    (same host name, pid no longer alive) is gone; a concurrent writer's temporaries are kept.
+    Returns what was removed.
+    """
+    directory = Path(directory)
+    host = _owner_tag().rsplit("-", 1)[0]
+    removed: list[Path] = []
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _TEMP_NAME.match(entry.name)
+        if m is None or m["host"] != host or _alive(int(m["pid"])):
+            continue
+        with contextlib.suppress(OSError):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+            removed.append(entry)
+    return removed
 
 
 def _fsync_dir(path: Path) -> None:
@@ -52,8 +106,10 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     On any error the temporary file is removed and ``path`` is left as it was.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    with disk_errors(str(path)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{_owner_tag()}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp_path = Path(tmp)
     os.chmod(tmp_path, 0o666 & ~_umask())  # mkstemp creates 0600; give the file normal permissions
@@ -101,8 +157,12 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     path = Path(path)
     if path.exists():
         raise SketchcalError(f"{path} already exists; choose another output or remove it first")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent))
+    with disk_errors(str(path)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(path.parent)
+        prefix = f".{path.name}.{_owner_tag()}."
+        tmp = Path(tempfile.mkdtemp(prefix=prefix, suffix=".partial", dir=path.parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp creates 0700
     try:
         with disk_errors(str(path)):
             yield tmp
