@@ -46,7 +46,7 @@ from sketchcal.kernels.common.pool import (
 )
 from sketchcal.kernels.common.recurrence import StepInputs
 from sketchcal.kernels.common.testing import random_inputs
-from sketchcal.kernels.dispatch import KERNEL_OPS, KernelConfig
+from sketchcal.kernels.dispatch import DEFAULT_CONFIGS, KERNEL_OPS, KernelConfig
 
 
 @dataclass(frozen=True)
@@ -90,21 +90,7 @@ TUNE_CANDIDATES: dict[str, dict[str, list[KernelConfig]]] = {
         # the split read: the coefficients once per key group (and the dots, or the head kernel
         # computes them), then the heads' sums, 4 heads per program (the one-kernel fields serve
         # spec_verify)
-        + [
-            _K(
-                "split_read",
-                64,
-                1,
-                maxnreg=64,
-                group=8,
-                dense_rows=16,
-                early_map=False,
-                coef_warps=2,
-                heads=4,
-                dots=d,
-            )
-            for d in (2, 0)
-        ],
+        + [replace(DEFAULT_CONFIGS[("sketch", "mamba2")], dots=d) for d in (2, 0)],
         # one program per head (V = 128): the sweep is done once, not once per half
         "gdn": [
             _K("read", 128, 1, maxnreg=cap, group=g, dense_rows=16, early_map=False, prefetch=pf)

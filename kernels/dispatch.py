@@ -191,7 +191,16 @@ DEFAULT_CONFIGS: dict[tuple[str, str], KernelConfig] = {
     ("replay", "kda"): _K("read", 128, 1, group=4, dense_rows=16),
     # (the split read runs one token; spec_verify takes the one-kernel read with these fields)
     ("sketch", "mamba2"): _K(
-        "split_read", 64, 1, maxnreg=64, group=8, dense_rows=16, early_map=False, coef_warps=2, heads=4, dots=0
+        "split_read",
+        64,
+        1,
+        maxnreg=64,
+        group=8,
+        dense_rows=16,
+        early_map=False,
+        coef_warps=2,
+        heads=4,
+        dots=0,
     ),
     ("sketch", "gdn"): _K("read", 128, 1, maxnreg=64, group=6, dense_rows=16, early_map=False, prefetch=True),
     ("sketch", "kda"): _K("read", 128, 1, maxnreg=64, group=2, dense_rows=16, early_map=False),
@@ -342,14 +351,9 @@ def _window_pool(pool: DecodePool, sketch: bool) -> tuple[int, int]:
 
 
 def standard_step(
-    family: str,
-    state: Tensor | DecodePool,
-    slots: Tensor,
-    x: StepInputs,
-    out: Tensor | None = None,
-    *,
+    family: str, state: Tensor | DecodePool, slots: Tensor, x: StepInputs, out: Tensor | None = None, *,
     config: KernelConfig | None = None,
-) -> Tensor:
+) -> Tensor:  # fmt: skip
     """The baseline: ``S ← A S + k wᵀ``, ``o = Sᵀ q (+ skip)`` for each of the T tokens in turn,
     in place on ``state`` [N, H, K, V] fp32 at the slots given. Returns ``out`` [B, T, H, V]."""
     state = state.state if isinstance(state, DecodePool) else state
@@ -361,16 +365,9 @@ def standard_step(
 
 
 def spec_verify(
-    family: str,
-    pool: DecodePool,
-    slots: Tensor,
-    pos: Tensor,
-    x: StepInputs,
-    out: Tensor | None = None,
-    *,
-    tables: SketchTables | None = None,
-    config: KernelConfig | None = None,
-) -> Tensor:
+    family: str, pool: DecodePool, slots: Tensor, pos: Tensor, x: StepInputs, out: Tensor | None = None, *,
+    tables: SketchTables | None = None, config: KernelConfig | None = None,
+) -> Tensor:  # fmt: skip
     """Outputs of T tokens following the ``pos[b]`` buffered ones, read from the checkpoint's read
     copy (``tables`` None: replay) or its sketch, plus the buffer; no state is materialised or
     written. The T tokens are appended to the buffer at ``pos[b]`` (entries past the capacity are
@@ -390,46 +387,26 @@ def spec_verify(
 
 
 def replay_step(
-    family: str,
-    pool: DecodePool,
-    slots: Tensor,
-    pos: Tensor,
-    x: StepInputs,
-    out: Tensor | None = None,
-    *,
+    family: str, pool: DecodePool, slots: Tensor, pos: Tensor, x: StepInputs, out: Tensor | None = None, *,
     config: KernelConfig | None = None,
-) -> Tensor:
+) -> Tensor:  # fmt: skip
     """ReplaySSM non-flush step (T = 1): read copy + buffer; no state write."""
     return spec_verify(family, pool, slots, pos, x, out, config=config)
 
 
 def sketch_step(
-    family: str,
-    pool: DecodePool,
-    tables: SketchTables,
-    slots: Tensor,
-    pos: Tensor,
-    x: StepInputs,
-    out: Tensor | None = None,
-    *,
-    config: KernelConfig | None = None,
-) -> Tensor:
+    family: str, pool: DecodePool, tables: SketchTables, slots: Tensor, pos: Tensor, x: StepInputs,
+    out: Tensor | None = None, *, config: KernelConfig | None = None,
+) -> Tensor:  # fmt: skip
     """SketchSSM non-flush step (T = 1): sketch rows + buffer + coefficient map; dense (rank-0)
     heads read the full read copy."""
     return spec_verify(family, pool, slots, pos, x, out, tables=tables, config=config)
 
 
 def flush(
-    family: str,
-    pool: DecodePool,
-    slots: Tensor,
-    pos: Tensor,
-    x: StepInputs | None = None,
-    out: Tensor | None = None,
-    *,
-    tables: SketchTables | None = None,
-    config: KernelConfig | None = None,
-) -> Tensor | None:
+    family: str, pool: DecodePool, slots: Tensor, pos: Tensor, x: StepInputs | None = None,
+    out: Tensor | None = None, *, tables: SketchTables | None = None, config: KernelConfig | None = None,
+) -> Tensor | None:  # fmt: skip
     """Fold the ``pos[b]`` buffered tokens, then ``x``'s single token if given (its output is
     returned), exactly into the fp32 checkpoint ``pool.state``; refresh the read copy: every row
     (``tables`` None, replay mode) or ``tables.read_rows`` per head (sketch mode: the dense

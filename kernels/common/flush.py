@@ -42,42 +42,13 @@ from sketchcal.kernels.common.triton_helpers import (
 
 @triton.jit
 def _flush_kernel(
-    state,
-    slots,
-    pos,
-    q,
-    k,
-    w,
-    decay,
-    beta,
-    skip,
-    out,
-    buf_k,
-    buf_w,
-    buf_decay,
-    buf_beta,
-    rd,
-    read_rows,
-    sk,
-    ranks,
-    frames,
-    sk_head_stride,
-    H: tl.constexpr,
-    G: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BV: tl.constexpr,
-    C: tl.constexpr,
-    FAMILY: tl.constexpr,
-    HAS_X: tl.constexpr,
-    HAS_SKIP: tl.constexpr,
-    HAS_READ: tl.constexpr,
-    ROWS: tl.constexpr,
-    SKETCH_OUT: tl.constexpr,
-    VEC: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    state, slots, pos, q, k, w, decay, beta, skip, out, buf_k, buf_w, buf_decay, buf_beta,  # flush_arguments
+    rd, read_rows, sk, ranks, frames, sk_head_stride,
+    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    FAMILY: tl.constexpr, HAS_X: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_READ: tl.constexpr,
+    ROWS: tl.constexpr, SKETCH_OUT: tl.constexpr, VEC: tl.constexpr, PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
-):
+):  # fmt: skip
     """The token-by-token flush on [K, BV] tiles of S (any family); ``PREFETCH``: see
     ``KernelConfig.prefetch``."""
     dependent_launch(PDL)
@@ -105,37 +76,14 @@ def _flush_kernel(
     # while token j is applied; scalar decays go into a separate scale (forward_scaled), applied
     # once at the end
     kk, ww, dd, bb = load_token(
-        buf_k,
-        buf_w,
-        buf_decay,
-        buf_beta,
-        gb * K,
-        hb * V,
-        hb,
-        o_k,
-        o_v,
-        n > 0,
-        K,
-        V,
-        FAMILY,
-    )
+        buf_k, buf_w, buf_decay, buf_beta, gb * K, hb * V, hb, o_k, o_v, n > 0, K, V, FAMILY,
+    )  # fmt: skip
     scale = dd * 0.0 + 1.0  # Mamba-2, GDN: the decay product so far (KDA: unused)
     for j in range(0, n):
         kn, wn, dn, bn = load_token(
-            buf_k,
-            buf_w,
-            buf_decay,
-            buf_beta,
-            (gb + j + 1) * K,
-            (hb + j + 1) * V,
-            hb + j + 1,
-            o_k,
-            o_v,
-            j + 1 < n,
-            K,
-            V,
-            FAMILY,
-        )
+            buf_k, buf_w, buf_decay, buf_beta, (gb + j + 1) * K, (hb + j + 1) * V, hb + j + 1, o_k, o_v,
+            j + 1 < n, K, V, FAMILY,
+        )  # fmt: skip
         if FAMILY == 2:  # per-channel decays go straight into the tile
             S = forward(S, kk, ww, dd, bb, FAMILY, 0)
         else:
@@ -166,13 +114,9 @@ def _flush_kernel(
 
 
 def flush_arguments(
-    pool: DecodePool,
-    tables: SketchTables | None,
-    slots: Tensor,
-    pos: Tensor,
-    x: StepInputs | None,
+    pool: DecodePool, tables: SketchTables | None, slots: Tensor, pos: Tensor, x: StepInputs | None,
     out: Tensor | None,
-) -> tuple:
+) -> tuple:  # fmt: skip
     """The positional arguments of every flush kernel, from ``state`` to ``sk_head_stride``: the
     pool, the new token's inputs (``x`` None: the buffer's tensors stand in, never read), the
     output, the read copy (or the state), the sketch tables (or placeholders in replay mode)."""
@@ -218,30 +162,16 @@ def flush_flags(pool: DecodePool, tables: SketchTables | None, x: StepInputs | N
 
 
 def launch(
-    family: str,
-    pool: DecodePool,
-    tables: SketchTables | None,
-    slots: Tensor,
-    pos: Tensor,
-    x: StepInputs | None,
-    out: Tensor | None,
-    cfg,
-) -> None:
+    family: str, pool: DecodePool, tables: SketchTables | None, slots: Tensor, pos: Tensor,
+    x: StepInputs | None, out: Tensor | None, cfg,
+) -> None:  # fmt: skip
     """:func:`_flush_kernel` over (V / BV, H, B) for a checked window pool (and new token)."""
     h, g = pool.heads, pool.buf_k.shape[1]
     kd, vd = pool.state.shape[2:]
     bv = clip_block_v(cfg.block_v, vd)
     _flush_kernel[(vd // bv, h, slots.shape[0])](
-        *flush_arguments(pool, tables, slots, pos, x, out),
-        H=h,
-        G=g,
-        K=kd,
-        V=vd,
-        BV=bv,
-        C=pool.capacity,
-        FAMILY=FAMILY_ID[family],
-        **flush_flags(pool, tables, x),
-        VEC=cfg.vec,
+        *flush_arguments(pool, tables, slots, pos, x, out), H=h, G=g, K=kd, V=vd, BV=bv, C=pool.capacity,
+        FAMILY=FAMILY_ID[family], **flush_flags(pool, tables, x), VEC=cfg.vec,
         PREFETCH=prefetch_enabled(cfg.prefetch),
         **launch_options(cfg.num_warps, cfg.maxnreg, pool.state.device),
-    )
+    )  # fmt: skip

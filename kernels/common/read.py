@@ -42,43 +42,12 @@ from sketchcal.kernels.common.triton_helpers import (
 
 @triton.jit
 def _read_kernel(
-    slots,
-    pos,
-    q,
-    k,
-    w,
-    decay,
-    beta,
-    skip,
-    out,
-    buf_k,
-    buf_w,
-    buf_decay,
-    buf_beta,
-    buf_logdecay,
-    rd,
-    sk,
-    ranks,
-    maps,
-    sk_head_stride,
-    T: tl.constexpr,
-    H: tl.constexpr,
-    G: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BV: tl.constexpr,
-    C: tl.constexpr,
-    M: tl.constexpr,
-    FAMILY: tl.constexpr,
-    SKETCH: tl.constexpr,
-    HAS_SKIP: tl.constexpr,
-    GROUP: tl.constexpr,
-    DENSE_ROWS: tl.constexpr,
-    EARLY_MAP: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    LOG2_DECAY: tl.constexpr,
-    PDL: tl.constexpr,
-):
+    slots, pos, q, k, w, decay, beta, skip, out, buf_k, buf_w, buf_decay, buf_beta, buf_logdecay, rd, sk,
+    ranks, maps, sk_head_stride, T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr,
+    V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, M: tl.constexpr, FAMILY: tl.constexpr,
+    SKETCH: tl.constexpr, HAS_SKIP: tl.constexpr, GROUP: tl.constexpr, DENSE_ROWS: tl.constexpr,
+    EARLY_MAP: tl.constexpr, PREFETCH: tl.constexpr, LOG2_DECAY: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
     """The reads (replay, sketch, spec_verify). ``LOG2_DECAY`` (KDA): the buffered decays are read
     as log₂ in bf16 from ``buf_logdecay`` (half the bytes; the flush keeps the fp32 ones), which
     each appended token also gets."""
@@ -99,20 +68,9 @@ def _read_kernel(
     m = tl.load(ranks + i_h) if SKETCH else 0
     x0 = i_b * T
     k0, w0, d0, b0 = load_token(
-        k,
-        w,
-        decay,
-        beta,
-        (x0 * G + i_g) * K,
-        (x0 * H + i_h) * V,
-        x0 * H + i_h,
-        o_k,
-        o_v,
-        i_b >= 0,
-        K,
-        V,
+        k, w, decay, beta, (x0 * G + i_g) * K, (x0 * H + i_h) * V, x0 * H + i_h, o_k, o_v, i_b >= 0, K, V,
         FAMILY,
-    )
+    )  # fmt: skip
     q0 = tl.load(q + (x0 * G + i_g) * K + o_k).to(tl.float32)
     if SKETCH and EARLY_MAP:  # noqa: SIM108  (a constexpr branch)
         pm0 = first_map_rows(maps, i_h, o_k, K, M)
@@ -139,20 +97,9 @@ def _read_kernel(
             k_new, w_new, d_new, b_new = k0, w0, d0, b0
         else:
             k_new, w_new, d_new, b_new = load_token(
-                k,
-                w,
-                decay,
-                beta,
-                (x_t * G + i_g) * K,
-                (x_t * H + i_h) * V,
-                x_t * H + i_h,
-                o_k,
-                o_v,
-                live,
-                K,
-                V,
-                FAMILY,
-            )
+                k, w, decay, beta, (x_t * G + i_g) * K, (x_t * H + i_h) * V, x_t * H + i_h, o_k, o_v, live, K,
+                V, FAMILY,
+            )  # fmt: skip
         mw = o_v < tl.where(ok, V, 0)
         tl.store(buf_w + (hb + jw) * V + o_v, w_new.to(buf_w.dtype.element_ty), mask=mw)
         if i_v == 0:
@@ -193,20 +140,9 @@ def _read_kernel(
                     kk, ww, dd, bb = k0, w0, d0, b0
                 else:
                     kk, ww, dd, bb = load_token(
-                        k,
-                        w,
-                        decay,
-                        beta,
-                        (x_d * G + i_g) * K,
-                        (x_d * H + i_h) * V,
-                        x_d * H + i_h,
-                        o_k,
-                        o_v,
-                        live,
-                        K,
-                        V,
-                        FAMILY,
-                    )
+                        k, w, decay, beta, (x_d * G + i_g) * K, (x_d * H + i_h) * V, x_d * H + i_h, o_k, o_v,
+                        live, K, V, FAMILY,
+                    )  # fmt: skip
                 kv, v, c = backward(v, c, kk, dd, bb, FAMILY)
                 acc += kv * ww
         if GROUP == 0:
@@ -215,22 +151,8 @@ def _read_kernel(
             for i in tl.static_range(C):
                 j = C - 1 - i
                 v, c, acc = sweep_buffered(
-                    v,
-                    c,
-                    acc,
-                    k_g,
-                    w_h,
-                    decay_h,
-                    beta_h,
-                    j,
-                    j < p,
-                    o_k,
-                    o_v,
-                    K,
-                    V,
-                    FAMILY,
-                    LOG2_DECAY,
-                )
+                    v, c, acc, k_g, w_h, decay_h, beta_h, j, j < p, o_k, o_v, K, V, FAMILY, LOG2_DECAY,
+                )  # fmt: skip
         else:
             # the live tokens p-1..0, GROUP per iteration (the group's loads issue together). The
             # pointers step back GROUP tokens per iteration, so a group's tokens sit at constant
@@ -241,22 +163,9 @@ def _read_kernel(
             for j0 in range(0, p, GROUP):
                 for i in tl.static_range(GROUP):
                     v, c, acc = sweep_buffered(
-                        v,
-                        c,
-                        acc,
-                        k_j,
-                        w_j,
-                        decay_j,
-                        beta_j,
-                        -i,
-                        i < p - j0,
-                        o_k,
-                        o_v,
-                        K,
-                        V,
-                        FAMILY,
+                        v, c, acc, k_j, w_j, decay_j, beta_j, -i, i < p - j0, o_k, o_v, K, V, FAMILY,
                         LOG2_DECAY,
-                    )
+                    )  # fmt: skip
                 k_j, w_j = k_j - GROUP * K, w_j - GROUP * V
                 decay_j, beta_j = decay_j - GROUP * DS, beta_j - GROUP
         o = acc + checkpoint_read(
@@ -293,15 +202,9 @@ def read_options(cfg, key_dim: int) -> dict:
 
 
 def launch(
-    family: str,
-    pool: DecodePool,
-    tables: SketchTables | None,
-    slots: Tensor,
-    pos: Tensor,
-    x: StepInputs,
-    out: Tensor,
-    cfg,
-) -> None:
+    family: str, pool: DecodePool, tables: SketchTables | None, slots: Tensor, pos: Tensor, x: StepInputs,
+    out: Tensor, cfg,
+) -> None:  # fmt: skip
     """:func:`_read_kernel` over (V / BV, H, B) for a checked window pool and inputs: reads the
     read copy (``tables`` None: replay) or the sketch, writes ``out`` [B, T, H, V]."""
     b, t, g, kd = x.k.shape
@@ -310,37 +213,13 @@ def launch(
     sketch = tables is not None
     sk = pool.sketch if sketch else pool.read
     _read_kernel[(vd // bv, h, b)](
-        slots,
-        pos,
-        x.q,
-        x.k,
-        x.w,
-        x.decay,
-        beta_or_placeholder(x),
-        x.skip if x.skip is not None else x.w,
-        out,
-        pool.buf_k,
-        pool.buf_w,
-        pool.buf_decay,
+        slots, pos, x.q, x.k, x.w, x.decay, beta_or_placeholder(x), x.skip if x.skip is not None else x.w,
+        out, pool.buf_k, pool.buf_w, pool.buf_decay,
         pool.buf_beta if pool.buf_beta is not None else pool.buf_decay,
-        pool.buf_logdecay if pool.buf_logdecay is not None else pool.buf_decay,
-        pool.read,
-        sk,
-        tables.ranks if sketch else slots,
-        tables.maps if sketch else pool.buf_decay,
-        sk.shape[2] * sk.shape[3],
-        T=t,
-        H=h,
-        G=g,
-        K=kd,
-        V=vd,
-        BV=bv,
-        C=pool.capacity,
-        M=tables.map_rows if sketch else 1,
-        FAMILY=FAMILY_ID[family],
-        SKETCH=sketch,
-        HAS_SKIP=x.skip is not None,
-        LOG2_DECAY=pool.buf_logdecay is not None,
-        **read_options(cfg, kd),
+        pool.buf_logdecay if pool.buf_logdecay is not None else pool.buf_decay, pool.read, sk,
+        tables.ranks if sketch else slots, tables.maps if sketch else pool.buf_decay,
+        sk.shape[2] * sk.shape[3], T=t, H=h, G=g, K=kd, V=vd, BV=bv, C=pool.capacity,
+        M=tables.map_rows if sketch else 1, FAMILY=FAMILY_ID[family], SKETCH=sketch,
+        HAS_SKIP=x.skip is not None, LOG2_DECAY=pool.buf_logdecay is not None, **read_options(cfg, kd),
         **launch_options(cfg.num_warps, cfg.maxnreg, pool.state.device),
-    )
+    )  # fmt: skip

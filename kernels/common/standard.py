@@ -17,42 +17,24 @@ from sketchcal.kernels.common.triton_helpers import (
     beta_or_placeholder,
     clip_block_v,
     dependent_launch,
+    head_tile,
     launch_options,
+    program_slot,
     step_emit,
 )
 
 
 @triton.jit
 def _standard_kernel(
-    state,
-    slots,
-    q,
-    k,
-    w,
-    decay,
-    beta,
-    skip,
-    out,
-    T: tl.constexpr,
-    H: tl.constexpr,
-    G: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BV: tl.constexpr,
-    FAMILY: tl.constexpr,
-    HAS_SKIP: tl.constexpr,
-    PDL: tl.constexpr,
-):
+    state, slots, q, k, w, decay, beta, skip, out,
+    T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+    FAMILY: tl.constexpr, HAS_SKIP: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
     dependent_launch(PDL)
-    i_v = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_b = tl.program_id(2)
-    s = tl.load(slots + i_b).to(tl.int64)
+    i_v, i_h, i_b, s = program_slot(slots)
     if s < 0:
         return
-    i_g = i_h // (H // G)
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
+    i_g, o_k, o_v = head_tile(i_v, i_h, H, G, K, BV)
     p_s = state + (s * H + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :]
     S = tl.load(p_s, eviction_policy="evict_first")
     live = s >= 0
@@ -70,22 +52,7 @@ def launch(family: str, state: Tensor, slots: Tensor, x: StepInputs, out: Tensor
     h, vd = state.shape[1], state.shape[3]
     bv = clip_block_v(cfg.block_v, vd)
     _standard_kernel[(vd // bv, h, b)](
-        state,
-        slots,
-        x.q,
-        x.k,
-        x.w,
-        x.decay,
-        beta_or_placeholder(x),
-        x.skip if x.skip is not None else x.w,
-        out,
-        T=t,
-        H=h,
-        G=g,
-        K=kd,
-        V=vd,
-        BV=bv,
-        FAMILY=FAMILY_ID[family],
-        HAS_SKIP=x.skip is not None,
+        state, slots, x.q, x.k, x.w, x.decay, beta_or_placeholder(x), x.skip if x.skip is not None else x.w,
+        out, T=t, H=h, G=g, K=kd, V=vd, BV=bv, FAMILY=FAMILY_ID[family], HAS_SKIP=x.skip is not None,
         **launch_options(cfg.num_warps, cfg.maxnreg, state.device),
-    )
+    )  # fmt: skip

@@ -12,8 +12,9 @@ on axis ``KAXIS``: [K, BV] (0: the sweeps) or its transpose [BV, K] (1: the tens
 - tensor-core products accurate to fp32: :func:`bdot`, :func:`split_bf16`, :func:`dot_fk`
   (fp32 times bf16 keys), :func:`dot_ff` (fp32 times fp32);
 - checkpoint reads: :func:`dense_read`, :func:`first_map_rows`, :func:`checkpoint_read`;
-- buffers and launch: :func:`entry_slot`, :func:`decay_products`, :func:`dependent_launch`,
-  :func:`prefetch_l2`, :func:`prefetch_buffer`, :func:`store_read_copy`.
+- programs, buffers and launch: :func:`program_slot`, :func:`head_tile`, :func:`entry_slot`,
+  :func:`decay_products`, :func:`dependent_launch`, :func:`prefetch_l2`, :func:`prefetch_buffer`,
+  :func:`store_read_copy`.
 
 The transition is picked by the ``FAMILY`` constexpr (:data:`FAMILY_ID`): 0 Mamba-2
 ``A = a I``, 1 GDN ``A = α (I − β k kᵀ)``, 2 KDA ``A = (I − β k kᵀ) Diag(α)``; with the decay
@@ -106,21 +107,9 @@ def beta_or_placeholder(x: StepInputs) -> Tensor:
 
 @triton.jit
 def load_token(
-    k,
-    w,
-    decay,
-    beta,
-    k_off,
-    w_off,
-    h_off,
-    o_k,
-    o_v,
-    live,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    FAMILY: tl.constexpr,
-    LOG2_DECAY: tl.constexpr = False,
-):
+    k, w, decay, beta, k_off, w_off, h_off, o_k, o_v, live, K: tl.constexpr, V: tl.constexpr,
+    FAMILY: tl.constexpr, LOG2_DECAY: tl.constexpr = False,
+):  # fmt: skip
     """One token's (k [K], w [BV], decay, beta) as fp32; a masked-off token (``live`` False)
     comes back as the identity transition (k = w = 0, decay = 1, beta = 0). ``LOG2_DECAY`` (KDA):
     ``decay`` points at log₂ of the decays (``DecodePool.buf_logdecay``)."""
@@ -205,22 +194,9 @@ def backward(v, c, kk, dd, bb, FAMILY: tl.constexpr):
 
 @triton.jit
 def sweep_buffered(
-    v,
-    c,
-    acc,
-    k_g,
-    w_h,
-    decay_h,
-    beta_h,
-    j,
-    live,
-    o_k,
-    o_v,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    FAMILY: tl.constexpr,
-    LOG2_DECAY: tl.constexpr,
-):
+    v, c, acc, k_g, w_h, decay_h, beta_h, j, live, o_k, o_v, K: tl.constexpr, V: tl.constexpr,
+    FAMILY: tl.constexpr, LOG2_DECAY: tl.constexpr,
+):  # fmt: skip
     """One buffered token ``j`` of a read's backward sweep (``live`` False: the identity) on the
     query ``c v̂`` (see :func:`backward`): returns it pushed past the token, and ``acc`` plus the
     token's w's share of the output. ``k_g``, ``w_h``, ``decay_h``, ``beta_h`` point at the entry
@@ -228,66 +204,23 @@ def sweep_buffered(
     ``j`` ≤ 0), so a token costs a 32-bit offset per pointer rather than 64-bit address
     arithmetic. ``LOG2_DECAY``: ``decay_h`` points at log₂ of the decays (:func:`load_token`)."""
     kk, ww, dd, bb = load_token(
-        k_g,
-        w_h,
-        decay_h,
-        beta_h,
-        j * K,
-        j * V,
-        j,
-        o_k,
-        o_v,
-        live,
-        K,
-        V,
-        FAMILY,
-        LOG2_DECAY,
-    )
+        k_g, w_h, decay_h, beta_h, j * K, j * V, j, o_k, o_v, live, K, V, FAMILY, LOG2_DECAY,
+    )  # fmt: skip
     kv, v, c = backward(v, c, kk, dd, bb, FAMILY)
     return v, c, acc + kv * ww
 
 
 @triton.jit
 def step_emit(
-    S,
-    q,
-    k,
-    w,
-    decay,
-    beta,
-    skip,
-    out,
-    x_t,
-    i_h,
-    i_g,
-    o_k,
-    o_v,
-    live,
-    H: tl.constexpr,
-    G: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    FAMILY: tl.constexpr,
-    HAS_SKIP: tl.constexpr,
-    KAXIS: tl.constexpr,
-):
+    S, q, k, w, decay, beta, skip, out, x_t, i_h, i_g, o_k, o_v, live, H: tl.constexpr, G: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, FAMILY: tl.constexpr, HAS_SKIP: tl.constexpr, KAXIS: tl.constexpr,
+):  # fmt: skip
     """Apply input token ``x_t`` to the fp32 tile S (key dimension on axis ``KAXIS``, as in
     :func:`forward`) and store its output ``Sᵀq (+ skip)`` [BV]."""
     kk, ww, dd, bb = load_token(
-        k,
-        w,
-        decay,
-        beta,
-        (x_t * G + i_g) * K,
-        (x_t * H + i_h) * V,
-        x_t * H + i_h,
-        o_k,
-        o_v,
-        live,
-        K,
-        V,
+        k, w, decay, beta, (x_t * G + i_g) * K, (x_t * H + i_h) * V, x_t * H + i_h, o_k, o_v, live, K, V,
         FAMILY,
-    )
+    )  # fmt: skip
     S = forward(S, kk, ww, dd, bb, FAMILY, KAXIS)
     qq = tl.load(q + (x_t * G + i_g) * K + o_k).to(tl.float32)
     o = tl.sum(S * tl.expand_dims(qq, 1 - KAXIS), axis=KAXIS)
@@ -389,23 +322,9 @@ def first_map_rows(maps, i_h, o_k, K: tl.constexpr, M: tl.constexpr):
 
 @triton.jit
 def checkpoint_read(
-    v,
-    rd_h,
-    sk_h,
-    m,
-    pm0,
-    st0,
-    maps,
-    i_h,
-    o_k,
-    o_v,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    M: tl.constexpr,
-    SKETCH: tl.constexpr,
-    ROWS: tl.constexpr,
-    EARLY_MAP: tl.constexpr,
-):
+    v, rd_h, sk_h, m, pm0, st0, maps, i_h, o_k, o_v, K: tl.constexpr, V: tl.constexpr, M: tl.constexpr,
+    SKETCH: tl.constexpr, ROWS: tl.constexpr, EARLY_MAP: tl.constexpr,
+):  # fmt: skip
     """``S_cᵀ u`` from the read copy, or ``(R_{:m} S_c)ᵀ (P u)`` for a head of rank m > 0.
 
     ``pm0`` [8, K] and ``st0`` [8, BV] are the first 8 map and sketch rows, loaded by the caller
@@ -430,6 +349,22 @@ def checkpoint_read(
     else:
         o = dense_read(v, rd_h, o_k, o_v, V, K, ROWS)
     return o
+
+
+@triton.jit
+def program_slot(slots):
+    """A program's value tile, head and batch entry on the (V / BV, H, B) grid, and the entry's slot
+    (int64; negative for padding)."""
+    i_v = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_b = tl.program_id(2)
+    return i_v, i_h, i_b, tl.load(slots + i_b).to(tl.int64)
+
+
+@triton.jit
+def head_tile(i_v, i_h, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, BV: tl.constexpr):
+    """Head ``i_h``'s key group, the key offsets [K] and value tile ``i_v``'s columns [BV]."""
+    return i_h // (H // G), tl.arange(0, K), i_v * BV + tl.arange(0, BV)
 
 
 @triton.jit
@@ -473,20 +408,9 @@ def prefetch_l2(p):
 
 @triton.jit
 def prefetch_buffer(
-    buf_k,
-    buf_w,
-    buf_decay,
-    buf_beta,
-    hb,
-    gb,
-    n,
-    w_col,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    WCOLS: tl.constexpr,
-    C: tl.constexpr,
-    FAMILY: tl.constexpr,
-):
+    buf_k, buf_w, buf_decay, buf_beta, hb, gb, n, w_col, K: tl.constexpr, V: tl.constexpr,
+    WCOLS: tl.constexpr, C: tl.constexpr, FAMILY: tl.constexpr,
+):  # fmt: skip
     """Ask L2 for the first ``n`` entries of a slot's buffer, all at once (``KernelConfig.prefetch``):
     the group's keys [n, K] and the head's decays (contiguous), its betas, and columns
     [w_col, w_col + WCOLS) of its w's [n, V]. Lanes past ``n`` repeat entry 0."""

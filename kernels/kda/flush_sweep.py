@@ -73,28 +73,10 @@ else:  # Triton 3.6
 
 @gluon.jit
 def _issue_window(
-    state,
-    buf_k,
-    buf_w,
-    buf_decay,
-    item,
-    s,
-    n,
-    s_smem,
-    k_smem,
-    w_smem,
-    a_smem,
-    v0,
-    H: gl.constexpr,
-    K: gl.constexpr,
-    V: gl.constexpr,
-    C: gl.constexpr,
-    BC: gl.constexpr,
-    LS: gl.constexpr,
-    LB: gl.constexpr,
-    LF: gl.constexpr,
-    VT: gl.constexpr,
-):
+    state, buf_k, buf_w, buf_decay, item, s, n, s_smem, k_smem, w_smem, a_smem, v0, H: gl.constexpr,
+    K: gl.constexpr, V: gl.constexpr, C: gl.constexpr, BC: gl.constexpr, LS: gl.constexpr, LB: gl.constexpr,
+    LF: gl.constexpr, VT: gl.constexpr,
+):  # fmt: skip
     """Start the copies of head item ``item``'s window (slot ``s``, ``n`` buffered tokens) into
     shared memory, uncommitted: value columns ``v0 … v0 + VT`` of its state tile ([K, VT] fp32) and
     buffered values ([BC, VT] bf16), and its buffered keys [BC, K] bf16 and decays [BC, K] fp32
@@ -122,28 +104,10 @@ def _issue_window(
 
 @gluon.jit
 def _small_inputs(
-    k,
-    q,
-    w,
-    decay,
-    beta,
-    skip,
-    buf_beta,
-    item,
-    s,
-    n,
-    v0,
-    H: gl.constexpr,
-    K: gl.constexpr,
-    V: gl.constexpr,
-    C: gl.constexpr,
-    BC: gl.constexpr,
-    L1: gl.constexpr,
-    LBT: gl.constexpr,
-    HAS_X: gl.constexpr,
-    HAS_SKIP: gl.constexpr,
-    VT: gl.constexpr,
-):
+    k, q, w, decay, beta, skip, buf_beta, item, s, n, v0, H: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
+    C: gl.constexpr, BC: gl.constexpr, L1: gl.constexpr, LBT: gl.constexpr, HAS_X: gl.constexpr,
+    HAS_SKIP: gl.constexpr, VT: gl.constexpr,
+):  # fmt: skip
     """Head item ``item``'s small inputs, loaded one item ahead into few registers (1-D layouts
     spread over the whole program; loaded in the tile's layouts instead, each thread would load 16
     of each vector): the buffered betas [BC] (0 past n, in ``LBT``) and with ``HAS_X`` the new
@@ -160,9 +124,10 @@ def _small_inputs(
     live = live_s & HAS_X
     xk = (i_b * H + i_h) * K  # G = H
     xw = (i_b * H + i_h) * V + v0
-    kk = gl.load(k + xk + o_k, mask=live & (o_k < K), other=0.0)
-    qq = gl.load(q + xk + o_k, mask=live & (o_k < K), other=0.0)
-    dd = gl.load(decay + xk + o_k, mask=live & (o_k < K), other=1.0)
+    mk = live & (o_k < K)
+    kk = gl.load(k + xk + o_k, mask=mk, other=0.0)
+    qq = gl.load(q + xk + o_k, mask=mk, other=0.0)
+    dd = gl.load(decay + xk + o_k, mask=mk, other=1.0)
     ww = gl.load(w + xw + o_v, mask=live & (o_v < VT), other=0.0)
     sw = gl.load(skip + xw + o_v, mask=live & HAS_SKIP & (o_v < VT), other=0.0)
     bx = gl.load(beta + i_b * H + i_h, mask=live, other=0.0)
@@ -171,35 +136,11 @@ def _small_inputs(
 
 @gluon.jit
 def _issue(
-    state,
-    buf_k,
-    buf_w,
-    buf_decay,
-    buf_beta,
-    m,
-    frames,
-    item,
-    s,
-    n,
-    s_smem,
-    k_smem,
-    a_smem,
-    w_smem,
-    b_smem,
-    r_smem,
-    H: gl.constexpr,
-    K: gl.constexpr,
-    V: gl.constexpr,
-    C: gl.constexpr,
-    BC: gl.constexpr,
-    MR: gl.constexpr,
-    LS: gl.constexpr,
-    LB: gl.constexpr,
-    LF: gl.constexpr,
-    L1: gl.constexpr,
-    SKETCH_OUT: gl.constexpr,
-    VB: gl.constexpr,
-):
+    state, buf_k, buf_w, buf_decay, buf_beta, m, frames, item, s, n, s_smem, k_smem, a_smem, w_smem, b_smem,
+    r_smem, H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, C: gl.constexpr, BC: gl.constexpr,
+    MR: gl.constexpr, LS: gl.constexpr, LB: gl.constexpr, LF: gl.constexpr, L1: gl.constexpr,
+    SKETCH_OUT: gl.constexpr, VB: gl.constexpr,
+):  # fmt: skip
     """Start the copies of work item ``item`` (value columns ``VB · (item % (V / VB))`` onwards of a
     head item; slot ``s``, ``n`` buffered tokens) into shared memory: its state tile [K, VB] fp32,
     buffered keys [BC, K] bf16, decays [BC, K] fp32, values [BC, VB] bf16 and betas [BC] fp32 (rows
@@ -209,28 +150,9 @@ def _issue(
     i_h = (item // NV) % H
     live = s >= 0
     _issue_window(
-        state,
-        buf_k,
-        buf_w,
-        buf_decay,
-        item // NV,
-        s,
-        n,
-        s_smem,
-        k_smem,
-        w_smem,
-        a_smem,
-        (item % NV) * VB,
-        H,
-        K,
-        V,
-        C,
-        BC,
-        LS,
-        LB,
-        LF,
-        VB,
-    )
+        state, buf_k, buf_w, buf_decay, item // NV, s, n, s_smem, k_smem, w_smem, a_smem, (item % NV) * VB, H,
+        K, V, C, BC, LS, LB, LF, VB,
+    )  # fmt: skip
     # the betas read in the coefficients' layout: a copy instead of a layout conversion (two barriers)
     o_b = gl.arange(0, BC, L1)
     hb = (gl.where(live, s, 0).to(gl.int64) * H + i_h) * C
@@ -256,24 +178,9 @@ def _take_item(w_smem, r_smem, w_cur, r_cur, LB: gl.constexpr, LF: gl.constexpr,
 
 @gluon.jit
 def _coefficients(
-    a_smem,
-    k_smem,
-    w_smem,
-    r_smem,
-    b_smem,
-    n,
-    dot_smem,
-    upd_smem,
-    scale_smem,
-    w_cur,
-    r_cur,
-    K: gl.constexpr,
-    BC: gl.constexpr,
-    LD: gl.constexpr,
-    LB: gl.constexpr,
-    LF: gl.constexpr,
-    SKETCH_OUT: gl.constexpr,
-):
+    a_smem, k_smem, w_smem, r_smem, b_smem, n, dot_smem, upd_smem, scale_smem, w_cur, r_cur, K: gl.constexpr,
+    BC: gl.constexpr, LD: gl.constexpr, LB: gl.constexpr, LF: gl.constexpr, SKETCH_OUT: gl.constexpr,
+):  # fmt: skip
     """One head's per-token coefficient rows [BC, K] (``dot_smem``, ``upd_smem``) and final scale
     [K] (``scale_smem``) from its buffered decays, keys and betas [BC] (shared memory):
     ``β_j c_j ⊙ k_j``, ``k_j / c_j`` and ``c_{n−1}`` when every running product lies in
@@ -309,41 +216,13 @@ def _nth_item(pid, progs, t, n_mine, n_items, NV: gl.constexpr):
 
 @gluon.jit
 def _flush_kda_sweep_kernel(
-    state,
-    slots,
-    pos,
-    q,
-    k,
-    w,
-    decay,
-    beta,
-    skip,
-    out,
-    buf_k,
-    buf_w,
-    buf_decay,
-    buf_beta,
-    rd,
-    read_rows,
-    sk,
-    ranks,
-    frames,
-    sk_head_stride,
-    frame_terms,
-    n_items,
-    H: gl.constexpr,
-    K: gl.constexpr,
-    V: gl.constexpr,
-    C: gl.constexpr,
-    BC: gl.constexpr,
-    MR: gl.constexpr,
-    HAS_X: gl.constexpr,
-    HAS_SKIP: gl.constexpr,
-    HAS_READ: gl.constexpr,
-    ROWS: gl.constexpr,
-    SKETCH_OUT: gl.constexpr,
-    VB: gl.constexpr,
-):
+    state, slots, pos, q, k, w, decay, beta, skip, out, buf_k, buf_w, buf_decay, buf_beta,  # flush_arguments
+    rd, read_rows, sk, ranks, frames, sk_head_stride,
+    frame_terms, n_items,
+    H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, C: gl.constexpr, BC: gl.constexpr,
+    MR: gl.constexpr, VB: gl.constexpr, HAS_X: gl.constexpr, HAS_SKIP: gl.constexpr, HAS_READ: gl.constexpr,
+    ROWS: gl.constexpr, SKETCH_OUT: gl.constexpr,
+):  # fmt: skip
     """The flush over ``n_items`` work items (see the module docstring); the arguments are every
     flush's (``common.flush.flush_arguments``; the sketch reads R from ``frames`` [H, K, K] fp32),
     then ``frame_terms`` (unused) and the item count. A work item is ``VB`` value columns of one
@@ -408,59 +287,14 @@ def _flush_kda_sweep_kernel(
     s_c, n_c = work_item(slots, pos, item, n_items, HV)
     m_c, r_c = head_flags(ranks, read_rows, item // NV, H, SKETCH_OUT, ROWS)
     _issue(
-        state,
-        buf_k,
-        buf_w,
-        buf_decay,
-        buf_beta,
-        m_c,
-        frames,
-        item,
-        s_c,
-        n_c,
-        s_smem,
-        k_smem,
-        a_smem,
-        w_smem,
-        b_smem,
-        r_smem,
-        H,
-        K,
-        V,
-        C,
-        BC,
-        MR,
-        LS,
-        LB,
-        LF,
-        L1,
-        SKETCH_OUT,
-        VB,
-    )
+        state, buf_k, buf_w, buf_decay, buf_beta, m_c, frames, item, s_c, n_c, s_smem, k_smem, a_smem, w_smem,
+        b_smem, r_smem, H, K, V, C, BC, MR, LS, LB, LF, L1, SKETCH_OUT, VB,
+    )  # fmt: skip
     item_c = gl.where(item < n_items, item, 0)
     _, kk, qq, dd, ww, sw, bx = _small_inputs(
-        k,
-        q,
-        w,
-        decay,
-        beta,
-        skip,
-        buf_beta,
-        item_c // NV,
-        s_c,
-        n_c,
-        (item_c % NV) * VB,
-        H,
-        K,
-        V,
-        C,
-        BC,
-        L1,
-        L1,
-        HAS_X,
-        HAS_SKIP,
-        VB,
-    )
+        k, q, w, decay, beta, skip, buf_beta, item_c // NV, s_c, n_c, (item_c % NV) * VB, H, K, V, C, BC, L1,
+        L1, HAS_X, HAS_SKIP, VB,
+    )  # fmt: skip
     nxt = _nth_item(pid, progs, 1, n_mine, n_items, NV)
     s_n, n_n = work_item(slots, pos, nxt, n_items, HV)
     m_n, r_n = head_flags(ranks, read_rows, nxt // NV, H, SKETCH_OUT, ROWS)
@@ -473,28 +307,9 @@ def _flush_kda_sweep_kernel(
         # uniform registers at the next branch, which waits for them
         nxt_c = gl.where(nxt < n_items, nxt, 0)
         _, kk_n, qq_n, dd_n, ww_n, sw_n, bx_n = _small_inputs(
-            k,
-            q,
-            w,
-            decay,
-            beta,
-            skip,
-            buf_beta,
-            nxt_c // NV,
-            s_n,
-            n_n,
-            (nxt_c % NV) * VB,
-            H,
-            K,
-            V,
-            C,
-            BC,
-            L1,
-            L1,
-            HAS_X,
-            HAS_SKIP,
-            VB,
-        )
+            k, q, w, decay, beta, skip, buf_beta, nxt_c // NV, s_n, n_n, (nxt_c % NV) * VB, H, K, V, C, BC,
+            L1, L1, HAS_X, HAS_SKIP, VB,
+        )  # fmt: skip
         nxt2 = _nth_item(pid, progs, t + 2, n_mine, n_items, NV)
         s_nn, n_nn = work_item(slots, pos, nxt2, n_items, HV)
         m_nn, r_nn = head_flags(ranks, read_rows, nxt2 // NV, H, SKETCH_OUT, ROWS)
@@ -502,59 +317,18 @@ def _flush_kda_sweep_kernel(
         barrier()  # (also: every thread is past the previous item's sweep)
         if t % NV == 0:  # a head's first item: its coefficient rows
             fast = _coefficients(
-                a_smem,
-                k_smem,
-                w_smem,
-                r_smem,
-                b_smem,
-                n_c,
-                dot_smem,
-                upd_smem,
-                scale_smem,
-                w_cur,
-                r_cur,
-                K,
-                BC,
-                LD,
-                LB,
-                LF,
-                SKETCH_OUT,
-            )
+                a_smem, k_smem, w_smem, r_smem, b_smem, n_c, dot_smem, upd_smem, scale_smem, w_cur, r_cur, K,
+                BC, LD, LB, LF, SKETCH_OUT,
+            )  # fmt: skip
         else:  # the head's rows are still in place: this item's values (and frame rows) only
             _take_item(w_smem, r_smem, w_cur, r_cur, LB, LF, SKETCH_OUT)
         S = s_smem.load(LT)
         barrier()
         # the next head's copies run while this one is swept and stored
         _issue(
-            state,
-            buf_k,
-            buf_w,
-            buf_decay,
-            buf_beta,
-            m_n,
-            frames,
-            nxt,
-            s_n,
-            n_n,
-            s_smem,
-            k_smem,
-            a_smem,
-            w_smem,
-            b_smem,
-            r_smem,
-            H,
-            K,
-            V,
-            C,
-            BC,
-            MR,
-            LS,
-            LB,
-            LF,
-            L1,
-            SKETCH_OUT,
-            VB,
-        )
+            state, buf_k, buf_w, buf_decay, buf_beta, m_n, frames, nxt, s_n, n_n, s_smem, k_smem, a_smem,
+            w_smem, b_smem, r_smem, H, K, V, C, BC, MR, LS, LB, LF, L1, SKETCH_OUT, VB,
+        )  # fmt: skip
         if s_c >= 0:
             head = s_c.to(gl.int64) * H + i_h
             if fast:
@@ -667,15 +441,9 @@ def frame_rows(per_sm: int, key_dim: int, value_cols: int) -> int:
 
 
 def launch(
-    family: str,
-    pool: DecodePool,
-    tables: SketchTables | None,
-    slots: Tensor,
-    pos: Tensor,
-    x: StepInputs | None,
-    out: Tensor | None,
-    cfg,
-) -> None:
+    family: str, pool: DecodePool, tables: SketchTables | None, slots: Tensor, pos: Tensor,
+    x: StepInputs | None, out: Tensor | None, cfg,
+) -> None:  # fmt: skip
     """:func:`_flush_kda_sweep_kernel` on ``cfg.per_sm`` programs per SM over V / VB work items per
     head (VB = ``cfg.block_v`` clipped to V; BC is 16, MR from :func:`frame_rows`), for a checked
     KDA window pool (and new token) that :func:`usable` takes, with bf16 buffered inputs on a CUDA

@@ -33,6 +33,7 @@ from sketchcal.kernels.common.triton_helpers import (
     interpreting,
     keys_bf16,
     launch_options,
+    program_slot,
     step_emit,
     store_read_copy,
 )
@@ -49,56 +50,23 @@ def sketch_terms(sketch_dtype: torch.dtype) -> int:
 
 @triton.jit
 def _flush_chunk_kernel(
-    state,
-    slots,
-    pos,
-    q,
-    k,
-    w,
-    decay,
-    beta,
-    skip,
-    out,
-    buf_k,
-    buf_w,
-    buf_decay,
-    buf_beta,
-    rd,
-    read_rows,
-    sk,
-    ranks,
-    frames,
-    sk_head_stride,
-    H: tl.constexpr,
-    G: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BV: tl.constexpr,
-    C: tl.constexpr,
-    BC: tl.constexpr,
-    HAS_X: tl.constexpr,
-    HAS_SKIP: tl.constexpr,
-    HAS_READ: tl.constexpr,
-    ROWS: tl.constexpr,
-    SKETCH_OUT: tl.constexpr,
-    K_BF16: tl.constexpr,
-    SKETCH_TERMS: tl.constexpr,
-    EMULATE: tl.constexpr,
+    state, slots, pos, q, k, w, decay, beta, skip, out, buf_k, buf_w, buf_decay, buf_beta,  # flush_arguments
+    rd, read_rows, sk, ranks, frames, sk_head_stride,
+    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    BC: tl.constexpr, HAS_X: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_READ: tl.constexpr, ROWS: tl.constexpr,
+    SKETCH_OUT: tl.constexpr, K_BF16: tl.constexpr, SKETCH_TERMS: tl.constexpr, EMULATE: tl.constexpr,
     PDL: tl.constexpr,
-):
+):  # fmt: skip
     """Mamba-2's chunked flush on tensor cores (see the module docstring)."""
     dependent_launch(PDL)
-    i_v = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_b = tl.program_id(2)
-    s = tl.load(slots + i_b).to(tl.int64)
+    i_v, i_h, i_b, s = program_slot(slots)
     if s < 0:
         return
     n = tl.load(pos + i_b)
+    o_c = tl.arange(0, BC)
     i_g = i_h // (H // G)
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
-    o_c = tl.arange(0, BC)
     live = s >= 0
     hb = (s * H + i_h) * C
     gb = (s * G + i_g) * C
@@ -159,15 +127,9 @@ def _flush_chunk_kernel(
 
 
 def launch(
-    family: str,
-    pool: DecodePool,
-    tables: SketchTables | None,
-    slots: Tensor,
-    pos: Tensor,
-    x: StepInputs | None,
-    out: Tensor | None,
-    cfg,
-) -> None:
+    family: str, pool: DecodePool, tables: SketchTables | None, slots: Tensor, pos: Tensor,
+    x: StepInputs | None, out: Tensor | None, cfg,
+) -> None:  # fmt: skip
     """:func:`_flush_chunk_kernel` over (V / BV, H, B), BV at least 16 (``tl.dot``'s minimum), for
     a checked Mamba-2 window pool (and new token)."""
     h, g = pool.heads, pool.buf_k.shape[1]
@@ -175,17 +137,8 @@ def launch(
     bv = max(clip_block_v(cfg.block_v, vd), CHUNK_MIN)
     sk = pool.sketch if tables is not None else pool.state
     _flush_chunk_kernel[(vd // bv, h, slots.shape[0])](
-        *flush_arguments(pool, tables, slots, pos, x, out),
-        H=h,
-        G=g,
-        K=kd,
-        V=vd,
-        BV=bv,
-        C=pool.capacity,
-        BC=buffer_block(pool.capacity),
-        **flush_flags(pool, tables, x),
-        K_BF16=keys_bf16(pool),
-        SKETCH_TERMS=sketch_terms(sk.dtype),
-        EMULATE=interpreting(),
+        *flush_arguments(pool, tables, slots, pos, x, out), H=h, G=g, K=kd, V=vd, BV=bv, C=pool.capacity,
+        BC=buffer_block(pool.capacity), **flush_flags(pool, tables, x), K_BF16=keys_bf16(pool),
+        SKETCH_TERMS=sketch_terms(sk.dtype), EMULATE=interpreting(),
         **launch_options(cfg.num_warps, cfg.maxnreg, pool.state.device),
-    )
+    )  # fmt: skip

@@ -33,16 +33,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from sketchcal.kernels.common import gluon_helpers as gh
 from sketchcal.kernels.common.flush import flush_arguments, flush_flags
-from sketchcal.kernels.common.gluon_helpers import (
-    async_load,
-    barrier,
-    head_flags,
-    launch_persistent,
-    mul,
-    store_state,
-    work_item,
-)
 from sketchcal.kernels.common.pool import DecodePool, SketchTables
 from sketchcal.kernels.common.recurrence import StepInputs
 from sketchcal.kernels.common.triton_helpers import buffer_block
@@ -62,31 +54,12 @@ def _split3(a):
 
 @gluon.jit
 def _issue(
-    state,
-    buf_k,
-    buf_w,
-    ranks,
-    frame_terms,
-    item,
-    s,
-    n,
-    s_smem,
-    k_smem,
-    w_smem,
-    r_smem,
-    H: gl.constexpr,
-    G: gl.constexpr,
-    K: gl.constexpr,
-    V: gl.constexpr,
-    C: gl.constexpr,
-    BC: gl.constexpr,
-    LS: gl.constexpr,
-    LB: gl.constexpr,
-    SKETCH_OUT: gl.constexpr,
-    TERMS: gl.constexpr,
-):
+    state, buf_k, buf_w, ranks, frame_terms, item, s, n, s_smem, k_smem, w_smem, r_smem, H: gl.constexpr,
+    G: gl.constexpr, K: gl.constexpr, V: gl.constexpr, C: gl.constexpr, BC: gl.constexpr, LS: gl.constexpr,
+    LB: gl.constexpr, SKETCH_OUT: gl.constexpr, TERMS: gl.constexpr,
+):  # fmt: skip
     """Start the copies of work item ``item`` (head ``item % H`` of batch row ``item // H``; slot
-    ``s`` and ``n`` from :func:`work_item`) into shared memory: its state tile [K, V], buffered keys
+    ``s`` and ``n`` from ``gluon_helpers.work_item``) into shared memory: its state tile [K, V], buffered keys
     [BC, K] and values [BC, V] (rows ≥ n zero-filled), and with ``SKETCH_OUT`` the first 16 rows
     of its group's frame as two bf16 terms [32, K] (three, [48, K], when ``TERMS`` is 3; a head of
     rank 0 copies none). A padding slot or an item past the end copies zeros."""
@@ -97,17 +70,17 @@ def _issue(
     o_v = gl.arange(0, V, gl.SliceLayout(0, LS))
     p_s = state + (s64 * H + i_h) * (K * V) + (o_k[:, None] * V + o_v[None, :])
     m_s = (o_k[:, None] < gl.where(live, K, 0)) & (o_v[None, :] < V)
-    async_load(s_smem, p_s, m_s)
+    gh.async_load(s_smem, p_s, m_s)
     nb = gl.where(live, n, 0)
     o_c = gl.arange(0, BC, gl.SliceLayout(1, LB))
     o_kb = gl.arange(0, K, gl.SliceLayout(0, LB))
     p_k = buf_k + (s64 * G + i_h // (H // G)) * (C * K) + (o_c[:, None] * K + o_kb[None, :])
     m_k = (o_c[:, None] < nb) & (o_kb[None, :] < K)
-    async_load(k_smem, p_k, m_k)
+    gh.async_load(k_smem, p_k, m_k)
     o_vb = gl.arange(0, V, gl.SliceLayout(0, LB))
     p_w = buf_w + (s64 * H + i_h) * (C * V) + (o_c[:, None] * V + o_vb[None, :])
     m_w = (o_c[:, None] < nb) & (o_vb[None, :] < V)
-    async_load(w_smem, p_w, m_w)
+    gh.async_load(w_smem, p_w, m_w)
     if SKETCH_OUT:
         sketched = live & (gl.load(ranks + i_h) > 0)
         RT: gl.constexpr = 3 if TERMS == 3 else 2
@@ -116,51 +89,8 @@ def _issue(
         group = frame_terms + (i_h // (H // G)) * (((K + 15) // 16) * 48 * K)
         p_r = group + (o_r[:, None] * K + o_kb[None, :])
         m_r = (o_r[:, None] < gl.where(sketched, RT * 16, 0)) & (o_kb[None, :] < K)
-        async_load(r_smem, p_r, m_r)
+        gh.async_load(r_smem, p_r, m_r)
     async_copy.commit_group()
-
-
-@gluon.jit
-def _small_inputs(
-    k,
-    q,
-    w,
-    decay,
-    skip,
-    buf_decay,
-    item,
-    s,
-    n,
-    H: gl.constexpr,
-    G: gl.constexpr,
-    K: gl.constexpr,
-    V: gl.constexpr,
-    C: gl.constexpr,
-    BC: gl.constexpr,
-    L1: gl.constexpr,
-    HAS_X: gl.constexpr,
-    HAS_SKIP: gl.constexpr,
-):
-    """Work item ``item``'s small inputs, loaded one item ahead into few registers (1-D layouts
-    spread over the whole program): the buffered decays ``α_j`` and ``α_{j+1}`` [BC] (1 past n),
-    and with ``HAS_X`` the new token's key and query [K], value and skip [V] and decay."""
-    i_b = item // H
-    i_h = item % H
-    hb = (gl.where(s >= 0, s, 0).to(gl.int64) * H + i_h) * C
-    o_c = gl.arange(0, BC, L1)
-    al = gl.load(buf_decay + hb + o_c, mask=o_c < n, other=1.0)
-    al_next = gl.load(buf_decay + hb + o_c + 1, mask=o_c + 1 < n, other=1.0)
-    o_k = gl.arange(0, K, L1)
-    o_v = gl.arange(0, V, L1)
-    live = (s >= 0) & HAS_X
-    xk = (i_b * G + i_h // (H // G)) * K
-    kk = gl.load(k + xk + o_k, mask=live & (o_k < K), other=0.0)
-    qq = gl.load(q + xk + o_k, mask=live & (o_k < K), other=0.0)
-    xw = (i_b * H + i_h) * V
-    ww = gl.load(w + xw + o_v, mask=live & (o_v < V), other=0.0)
-    sw = gl.load(skip + xw + o_v, mask=live & HAS_SKIP & (o_v < V), other=0.0)
-    dd = gl.load(decay + i_b * H + i_h, mask=live, other=1.0)
-    return al, al_next, kk, qq, ww, sw, dd
 
 
 @gluon.jit
@@ -198,40 +128,22 @@ def _sketch_rows(
 
 @gluon.jit
 def _store_folded(
-    St,
-    state,
-    rd,
-    dense,
-    sk_head,
-    m,
-    frame_terms,
-    r_cur,
-    head,
-    frame,
-    K: gl.constexpr,
-    V: gl.constexpr,
-    HAS_READ: gl.constexpr,
-    ROWS: gl.constexpr,
-    SKETCH_OUT: gl.constexpr,
-    SKETCH_TERMS: gl.constexpr,
-    MMA: gl.constexpr,
-    A_OP: gl.constexpr,
-    B_OP: gl.constexpr,
-    LS: gl.constexpr,
-    LR: gl.constexpr,
-):
+    St, state, rd, dense, sk_head, m, frame_terms, r_cur, head, frame, K: gl.constexpr, V: gl.constexpr,
+    HAS_READ: gl.constexpr, ROWS: gl.constexpr, SKETCH_OUT: gl.constexpr, SKETCH_TERMS: gl.constexpr,
+    MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, LS: gl.constexpr, LR: gl.constexpr,
+):  # fmt: skip
     """The stores of a folded head (``St`` = Sᵀ [V, K] in the MMA layout), shared by the Gluon flushes:
     the state tile S [K, V] at element offset ``head`` of ``state`` (and, with ``HAS_READ``, of the
     read copy ``rd``; ``ROWS``: only for a dense head, ``dense`` > 0), and with ``SKETCH_OUT`` the
     sketch rows ``R_{:m} S`` at ``sk_head``: rows 0-15 from ``r_cur`` (the item's slot of the frame
     ring in shared memory), rows past 16 from ``frame_terms`` of frame ``frame``. ``dense`` and the
-    rank ``m`` come from :func:`head_flags`, loaded by the caller at the head's start."""
+    rank ``m`` come from ``gluon_helpers.head_flags``, loaded by the caller at the head's start."""
     # through shared memory into rows of V: 16-byte stores, one address per 4 values
     tile = gl.convert_layout(gl.permute(St, [1, 0]), LS)  # S [K, V]
     o_ks = gl.arange(0, K, gl.SliceLayout(1, LS))
     o_vs = gl.arange(0, V, gl.SliceLayout(0, LS))
     offs = o_ks[:, None] * V + o_vs[None, :]
-    store_state(tile, state + head, rd + head, dense, offs, HAS_READ, ROWS)
+    gh.store_state(tile, state + head, rd + head, dense, offs, HAS_READ, ROWS)
     if SKETCH_OUT:
         if m > 0:  # rows 0-15: their terms were copied with the item's tiles
             b1 = r_cur.slice(0, 16).permute([1, 0]).load(B_OP)
@@ -254,41 +166,13 @@ def _store_folded(
 
 @gluon.jit
 def _flush_pipelined_kernel(
-    state,
-    slots,
-    pos,
-    q,
-    k,
-    w,
-    decay,
-    beta,
-    skip,
-    out,
-    buf_k,
-    buf_w,
-    buf_decay,
-    buf_beta,
-    rd,
-    read_rows,
-    sk,
-    ranks,
-    frames,
-    sk_head_stride,
-    frame_terms,
-    n_items,
-    H: gl.constexpr,
-    G: gl.constexpr,
-    K: gl.constexpr,
-    V: gl.constexpr,
-    C: gl.constexpr,
-    BC: gl.constexpr,
-    HAS_X: gl.constexpr,
-    HAS_SKIP: gl.constexpr,
-    HAS_READ: gl.constexpr,
-    ROWS: gl.constexpr,
-    SKETCH_OUT: gl.constexpr,
-    SKETCH_TERMS: gl.constexpr,
-):
+    state, slots, pos, q, k, w, decay, beta, skip, out, buf_k, buf_w, buf_decay, buf_beta,  # flush_arguments
+    rd, read_rows, sk, ranks, frames, sk_head_stride,
+    frame_terms, n_items,
+    H: gl.constexpr, G: gl.constexpr, K: gl.constexpr, V: gl.constexpr, C: gl.constexpr, BC: gl.constexpr,
+    HAS_X: gl.constexpr, HAS_SKIP: gl.constexpr, HAS_READ: gl.constexpr, ROWS: gl.constexpr,
+    SKETCH_OUT: gl.constexpr, SKETCH_TERMS: gl.constexpr,
+):  # fmt: skip
     """The flush over ``n_items`` work items (see the module docstring); the arguments are the
     chunked flush's (``beta``, ``buf_beta``: unused, Mamba-2 has none; ``frames``: unused, the
     sketch reads ``SketchTables.frame_terms``), then ``frame_terms``."""
@@ -323,83 +207,43 @@ def _flush_pipelined_kernel(
     o_c1 = gl.arange(0, BC, L1)
     # the first item's copies and small inputs, and the next item's slot: then, in each iteration,
     # the next item's copies and small inputs and the slot of the one after, a step ahead of use
-    s_c, n_c = work_item(slots, pos, pid, n_items, H)
+    s_c, n_c = gh.work_item(slots, pos, pid, n_items, H)
     _issue(
-        state,
-        buf_k,
-        buf_w,
-        ranks,
-        frame_terms,
-        pid,
-        s_c,
-        n_c,
-        s_smem,
-        k_smem,
-        w_smem,
-        r_next,
-        H,
-        G,
-        K,
-        V,
-        C,
-        BC,
-        LS,
-        LB,
-        SKETCH_OUT,
-        SKETCH_TERMS,
-    )
+        state, buf_k, buf_w, ranks, frame_terms, pid, s_c, n_c, s_smem, k_smem, w_smem, r_next, H, G, K, V, C,
+        BC, LS, LB, SKETCH_OUT, SKETCH_TERMS,
+    )  # fmt: skip
     al, al_next, kk, qq, ww, sw, dd = _small_inputs(
         k, q, w, decay, skip, buf_decay, pid, s_c, n_c, H, G, K, V, C, BC, L1, HAS_X, HAS_SKIP
     )
-    s_n, n_n = work_item(slots, pos, pid + progs, n_items, H)
+    s_n, n_n = gh.work_item(slots, pos, pid + progs, n_items, H)
     cur = 0  # this item's slot of r_ring
     for item in range(pid, n_items, progs):
         i_b = item // H
         i_h = item % H
         i_g = i_h // (H // G)
-        m_c, r_c = head_flags(ranks, read_rows, item, H, SKETCH_OUT, ROWS)  # for the stores
+        m_c, r_c = gh.head_flags(ranks, read_rows, item, H, SKETCH_OUT, ROWS)  # for the stores
         async_copy.wait_group(0)
-        barrier()
+        gh.barrier()
         St = s_smem.permute([1, 0]).load(MMA)  # Sᵀ [V, K]
         kb = k_smem.load(B_OP)  # [BC, K]
         wt = w_smem.permute([1, 0]).load(LT).to(gl.float32)  # Wᵀ [V, BC]
-        barrier()
+        gh.barrier()
         # the next head's copies run while this one is folded and stored
         if SKETCH_OUT:
             r_next = r_ring.index(1 - cur)
         nxt = item + progs
         _issue(
-            state,
-            buf_k,
-            buf_w,
-            ranks,
-            frame_terms,
-            nxt,
-            s_n,
-            n_n,
-            s_smem,
-            k_smem,
-            w_smem,
-            r_next,
-            H,
-            G,
-            K,
-            V,
-            C,
-            BC,
-            LS,
-            LB,
-            SKETCH_OUT,
-            SKETCH_TERMS,
-        )
+            state, buf_k, buf_w, ranks, frame_terms, nxt, s_n, n_n, s_smem, k_smem, w_smem, r_next, H, G, K,
+            V, C, BC, LS, LB, SKETCH_OUT, SKETCH_TERMS,
+        )  # fmt: skip
         nxt = gl.where(nxt < n_items, nxt, 0)
         al_n, al_next_n, kk_n, qq_n, ww_n, sw_n, dd_n = _small_inputs(
             k, q, w, decay, skip, buf_decay, nxt, s_n, n_n, H, G, K, V, C, BC, L1, HAS_X, HAS_SKIP
         )
-        s_nn, n_nn = work_item(slots, pos, item + 2 * progs, n_items, H)
+        s_nn, n_nn = gh.work_item(slots, pos, item + 2 * progs, n_items, H)
         if s_c >= 0:
             s64 = s_c.to(gl.int64)
-            g = gl.associative_scan(al_next, 0, mul, reverse=True)
+            g = gl.associative_scan(al_next, 0, gh.mul, reverse=True)
             total = gl.sum(gl.where(o_c1 == 0, g * al, 0.0), axis=0)
             a1, a2, a3 = _split3(wt * gl.convert_layout(g, gl.SliceLayout(0, LT))[None, :])
             St = St * total
@@ -421,62 +265,56 @@ def _flush_pipelined_kernel(
                 r_cur = k_smem  # (not read)
             # one 64-bit base per head, 32-bit offsets within it
             _store_folded(
-                St,
-                state,
-                rd,
-                r_c,
-                sk + (s64 * H + i_h) * sk_head_stride,
-                m_c,
-                frame_terms,
-                r_cur,
-                (s64 * H + i_h) * (K * V),
-                i_g,
-                K,
-                V,
-                HAS_READ,
-                ROWS,
-                SKETCH_OUT,
-                SKETCH_TERMS,
-                MMA,
-                A_OP,
-                B_OP,
-                LS,
-                LR,
-            )
+                St, state, rd, r_c, sk + (s64 * H + i_h) * sk_head_stride, m_c, frame_terms, r_cur,
+                (s64 * H + i_h) * (K * V), i_g, K, V, HAS_READ, ROWS, SKETCH_OUT, SKETCH_TERMS, MMA, A_OP,
+                B_OP, LS, LR,
+            )  # fmt: skip
         s_c, n_c, s_n, n_n = s_n, n_n, s_nn, n_nn
         al, al_next, kk, qq, ww, sw, dd = al_n, al_next_n, kk_n, qq_n, ww_n, sw_n, dd_n
         cur = 1 - cur
     async_copy.wait_group(0)
 
 
+@gluon.jit
+def _small_inputs(
+    k, q, w, decay, skip, buf_decay, item, s, n, H: gl.constexpr, G: gl.constexpr, K: gl.constexpr,
+    V: gl.constexpr, C: gl.constexpr, BC: gl.constexpr, L1: gl.constexpr, HAS_X: gl.constexpr,
+    HAS_SKIP: gl.constexpr,
+):  # fmt: skip
+    """Work item ``item``'s small inputs, loaded one item ahead into few registers (1-D layouts
+    spread over the whole program): the buffered decays ``α_j`` and ``α_{j+1}`` [BC] (1 past n),
+    and with ``HAS_X`` the new token's key and query [K], value and skip [V] and decay."""
+    i_b = item // H
+    i_h = item % H
+    hb = (gl.where(s >= 0, s, 0).to(gl.int64) * H + i_h) * C
+    o_c = gl.arange(0, BC, L1)
+    al = gl.load(buf_decay + hb + o_c, mask=o_c < n, other=1.0)
+    al_next = gl.load(buf_decay + hb + o_c + 1, mask=o_c + 1 < n, other=1.0)
+    o_k = gl.arange(0, K, L1)
+    o_v = gl.arange(0, V, L1)
+    live = (s >= 0) & HAS_X
+    xk = (i_b * G + i_h // (H // G)) * K
+    kk = gl.load(k + xk + o_k, mask=live & (o_k < K), other=0.0)
+    qq = gl.load(q + xk + o_k, mask=live & (o_k < K), other=0.0)
+    xw = (i_b * H + i_h) * V
+    ww = gl.load(w + xw + o_v, mask=live & (o_v < V), other=0.0)
+    sw = gl.load(skip + xw + o_v, mask=live & HAS_SKIP & (o_v < V), other=0.0)
+    dd = gl.load(decay + i_b * H + i_h, mask=live, other=1.0)
+    return al, al_next, kk, qq, ww, sw, dd
+
+
 def launch(
-    family: str,
-    pool: DecodePool,
-    tables: SketchTables | None,
-    slots: Tensor,
-    pos: Tensor,
-    x: StepInputs | None,
-    out: Tensor | None,
-    cfg,
-) -> None:
+    family: str, pool: DecodePool, tables: SketchTables | None, slots: Tensor, pos: Tensor,
+    x: StepInputs | None, out: Tensor | None, cfg,
+) -> None:  # fmt: skip
     """:func:`_flush_pipelined_kernel` on ``cfg.per_sm`` programs per SM over the batch's heads,
     for a checked Mamba-2 window pool (and new token) with bf16 buffered inputs on a CUDA device."""
     sketch = tables is not None
     sk = pool.sketch if sketch else pool.state
-    launch_persistent(
-        _flush_pipelined_kernel,
-        flush_arguments(pool, tables, slots, pos, x, out),
-        tables.frame_terms if sketch else pool.buf_decay,
-        H=pool.heads,
-        G=pool.buf_k.shape[1],
-        K=pool.state.shape[2],
-        V=pool.state.shape[3],
-        C=pool.capacity,
-        BC=buffer_block(pool.capacity),
-        **flush_flags(pool, tables, x),
-        SKETCH_TERMS=sketch_terms(sk.dtype),
-        batch=slots.shape[0],
-        per_sm=cfg.per_sm,
-        num_warps=cfg.num_warps,
-        maxnreg=cfg.maxnreg,
-    )
+    gh.launch_persistent(
+        _flush_pipelined_kernel, flush_arguments(pool, tables, slots, pos, x, out),
+        tables.frame_terms if sketch else pool.buf_decay, H=pool.heads, G=pool.buf_k.shape[1],
+        K=pool.state.shape[2], V=pool.state.shape[3], C=pool.capacity, BC=buffer_block(pool.capacity),
+        **flush_flags(pool, tables, x), SKETCH_TERMS=sketch_terms(sk.dtype), batch=slots.shape[0],
+        per_sm=cfg.per_sm, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
+    )  # fmt: skip

@@ -60,31 +60,11 @@ ROWS = 16  # batch entries per coefficient program (the tensor-core tile's N)
 
 @triton.jit
 def _group_kernel(
-    slots,
-    pos,
-    q,
-    k,
-    buf_k,
-    ws,
-    group_maps,
-    group_cols,
-    group_width,
-    B,
-    G: tl.constexpr,
-    K: tl.constexpr,
-    C: tl.constexpr,
-    BC: tl.constexpr,
-    R: tl.constexpr,
-    RB: tl.constexpr,
-    BB: tl.constexpr,
-    DG: tl.constexpr,
-    NO_DOTS: tl.constexpr,
-    WS: tl.constexpr,
-    DOTS: tl.constexpr,
-    Q_BF16: tl.constexpr,
-    EMULATE: tl.constexpr,
+    slots, pos, q, k, buf_k, ws, group_maps, group_cols, group_width, B, G: tl.constexpr, K: tl.constexpr,
+    C: tl.constexpr, BC: tl.constexpr, R: tl.constexpr, RB: tl.constexpr, BB: tl.constexpr, DG: tl.constexpr,
+    NO_DOTS: tl.constexpr, WS: tl.constexpr, DOTS: tl.constexpr, Q_BF16: tl.constexpr, EMULATE: tl.constexpr,
     PDL: tl.constexpr,
-):
+):  # fmt: skip
     """Grid (B·G/DG + G·⌈B/BB⌉·⌈R/RB⌉,), two kinds of program. ``ws`` row (slot, group):
     ``[coefficients (H/G)·M | dots C + 1]``, the dots starting at ``DOTS``.
 
@@ -174,38 +154,11 @@ def _group_kernel(
 
 @triton.jit
 def _head_kernel(
-    slots,
-    pos,
-    q,
-    k,
-    w,
-    decay,
-    skip,
-    out,
-    buf_k,
-    buf_w,
-    buf_decay,
-    rd,
-    sk,
-    ranks,
-    ws,
-    sk_head_stride,
-    H: tl.constexpr,
-    G: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BV: tl.constexpr,
-    HP: tl.constexpr,
-    C: tl.constexpr,
-    BC: tl.constexpr,
-    M: tl.constexpr,
-    WS: tl.constexpr,
-    DOTS: tl.constexpr,
-    DOTS_HERE: tl.constexpr,
-    HAS_SKIP: tl.constexpr,
-    DENSE_ROWS: tl.constexpr,
-    PDL: tl.constexpr,
-):
+    slots, pos, q, k, w, decay, skip, out, buf_k, buf_w, buf_decay, rd, sk, ranks, ws, sk_head_stride,
+    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, HP: tl.constexpr,
+    C: tl.constexpr, BC: tl.constexpr, M: tl.constexpr, WS: tl.constexpr, DOTS: tl.constexpr,
+    DOTS_HERE: tl.constexpr, HAS_SKIP: tl.constexpr, DENSE_ROWS: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
     """Grid (V // BV, H // HP, B): ``HP`` heads of one key group per program, as the leading
     dimension of every tile (two [HP, BC/2, BV] halves of the buffered w, [HP, 8, BV] sketch rows),
     so that their loads issue together and a reduction over rows stays inside a warp's tile. The
@@ -328,15 +281,9 @@ def usable(family: str, pool: DecodePool, tables: SketchTables | None, tokens: i
 
 
 def launch(
-    family: str,
-    pool: DecodePool,
-    tables: SketchTables,
-    slots: Tensor,
-    pos: Tensor,
-    x: StepInputs,
-    out: Tensor,
-    cfg,
-) -> None:
+    family: str, pool: DecodePool, tables: SketchTables, slots: Tensor, pos: Tensor, x: StepInputs,
+    out: Tensor, cfg,
+) -> None:  # fmt: skip
     """The split sketch read of one token (:func:`usable` is True): :func:`launch_group` with
     ``cfg.coef_warps`` warps per program, then :func:`launch_heads` with ``cfg.num_warps`` warps and
     ``cfg.heads`` heads per program (neither takes a register cap)."""
@@ -364,13 +311,8 @@ def _dividing_power_of_two(at_most: int, n: int) -> int:
 
 
 def launch_group(
-    pool: DecodePool,
-    tables: SketchTables,
-    slots: Tensor,
-    pos: Tensor,
-    x: StepInputs,
-    cfg,
-) -> None:
+    pool: DecodePool, tables: SketchTables, slots: Tensor, pos: Tensor, x: StepInputs, cfg,
+) -> None:  # fmt: skip
     """:func:`_group_kernel`, ``cfg.coef_warps`` warps per program and ``cfg.dots`` key groups per
     dot program: appends the new keys; the workspace gets the dots and coefficients."""
     b, _, g, kd = x.k.shape
@@ -379,42 +321,16 @@ def launch_group(
     dg = _dividing_power_of_two(max(cfg.dots, 1), g)
     tiles = -(-b // ROWS) * -(-r // COLUMNS)
     _group_kernel[((b * (g // dg) if cfg.dots else 0) + g * tiles,)](
-        slots,
-        pos,
-        x.q,
-        x.k,
-        pool.buf_k,
-        pool.workspace,
-        tables.group_maps,
-        tables.group_cols,
-        tables.group_width,
-        b,
-        G=g,
-        K=kd,
-        C=pool.capacity,
-        BC=buffer_block(pool.capacity),
-        R=r,
-        RB=COLUMNS,
-        BB=ROWS,
-        DG=dg,
-        NO_DOTS=cfg.dots == 0,
-        WS=width,
-        DOTS=dots,
-        Q_BF16=x.q.dtype == torch.bfloat16,
-        EMULATE=interpreting(),
-        **launch_options(cfg.coef_warps, 0, pool.state.device),
-    )
+        slots, pos, x.q, x.k, pool.buf_k, pool.workspace, tables.group_maps, tables.group_cols,
+        tables.group_width, b, G=g, K=kd, C=pool.capacity, BC=buffer_block(pool.capacity), R=r, RB=COLUMNS,
+        BB=ROWS, DG=dg, NO_DOTS=cfg.dots == 0, WS=width, DOTS=dots, Q_BF16=x.q.dtype == torch.bfloat16,
+        EMULATE=interpreting(), **launch_options(cfg.coef_warps, 0, pool.state.device),
+    )  # fmt: skip
 
 
 def launch_heads(
-    pool: DecodePool,
-    tables: SketchTables,
-    slots: Tensor,
-    pos: Tensor,
-    x: StepInputs,
-    out: Tensor,
-    cfg,
-) -> None:
+    pool: DecodePool, tables: SketchTables, slots: Tensor, pos: Tensor, x: StepInputs, out: Tensor, cfg,
+) -> None:  # fmt: skip
     """:func:`_head_kernel` over (V / BV, H / ``heads``, B), after :func:`launch_group`: appends
     w and the decays; writes ``out``."""
     b, _, g, kd = x.k.shape
@@ -424,35 +340,9 @@ def launch_heads(
     hp = _dividing_power_of_two(cfg.heads, h // g)
     block_v = clip_block_v(cfg.block_v, vd)
     _head_kernel[(vd // block_v, h // hp, b)](
-        slots,
-        pos,
-        x.q,
-        x.k,
-        x.w,
-        x.decay,
-        x.skip if x.skip is not None else x.w,
-        out,
-        pool.buf_k,
-        pool.buf_w,
-        pool.buf_decay,
-        pool.read,
-        sk,
-        tables.ranks,
-        pool.workspace,
-        sk.shape[2] * sk.shape[3],
-        H=h,
-        G=g,
-        K=kd,
-        V=vd,
-        BV=block_v,
-        HP=hp,
-        C=pool.capacity,
-        BC=buffer_block(pool.capacity),
-        M=tables.map_rows,
-        WS=width,
-        DOTS=dots,
-        DOTS_HERE=cfg.dots == 0,
-        HAS_SKIP=x.skip is not None,
-        DENSE_ROWS=min(cfg.dense_rows, kd),
-        **launch_options(cfg.num_warps, 0, pool.state.device),
-    )
+        slots, pos, x.q, x.k, x.w, x.decay, x.skip if x.skip is not None else x.w, out, pool.buf_k,
+        pool.buf_w, pool.buf_decay, pool.read, sk, tables.ranks, pool.workspace, sk.shape[2] * sk.shape[3],
+        H=h, G=g, K=kd, V=vd, BV=block_v, HP=hp, C=pool.capacity, BC=buffer_block(pool.capacity),
+        M=tables.map_rows, WS=width, DOTS=dots, DOTS_HERE=cfg.dots == 0, HAS_SKIP=x.skip is not None,
+        DENSE_ROWS=min(cfg.dense_rows, kd), **launch_options(cfg.num_warps, 0, pool.state.device),
+    )  # fmt: skip
