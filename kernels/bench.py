@@ -12,8 +12,8 @@ For one family and batch size it times, side by side in one run:
 - with ``staggered``, both windows again with the sequences' windows in staggered phases (each
   step flushes the ~B/L sequences at the end of theirs and reads the others; the flush on a side
   stream beside the reads, and before them on one stream), as continuous batching leaves them
-  unless the engine aligns its flushes. Aligned is faster on the H200 (BENCHMARKS.md): one flush
-  of the whole batch runs nearer the bandwidth than L flushes of B/L sequences.
+  unless the engine aligns its flushes (one flush of the whole batch runs nearer the bandwidth than
+  L flushes of B/L sequences).
 
 Every timing replays a CUDA graph over ``pools`` (≥ 4) independent state pools in turn, so the
 state is never L2-resident. Bytes follow the project's byte model (each tensor read or written
@@ -29,14 +29,13 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 from torch import Tensor
 
 from sketchcal.errors import SketchcalError
-from sketchcal.kernels.common import decode
-from sketchcal.kernels.common.decode import KernelConfig
+from sketchcal.kernels import dispatch
 from sketchcal.kernels.common.pool import (
     DecodePool,
     SketchTables,
@@ -47,6 +46,7 @@ from sketchcal.kernels.common.pool import (
 )
 from sketchcal.kernels.common.recurrence import StepInputs
 from sketchcal.kernels.common.testing import random_inputs
+from sketchcal.kernels.dispatch import DEFAULT_CONFIGS, KERNEL_OPS, KernelConfig
 
 
 @dataclass(frozen=True)
@@ -68,127 +68,127 @@ MODEL_SHAPES = {
 READ_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
 
 # Launch shapes tried with ``tune=True``, per candidate group and family; block_v is clipped to V.
-# The standard step keeps the shape tuned earlier (BENCHMARKS.md). Shapes that lost in every H200 run
-# were dropped (BENCHMARKS.md lists them). Reads take a dense head's read copy 16 rows at a time
+# The standard step keeps one shape. Reads take a dense head's read copy 16 rows at a time
 # (``dense_rows``) and sketch reads may load their map rows after the sweep (``early_map``): that
 # leaves them at 64-80 registers instead of ~160, so caps down to 64 (32 one-warp programs per SM,
 # the most an SM holds) are tried.
 _K = KernelConfig
 TUNE_CANDIDATES: dict[str, dict[str, list[KernelConfig]]] = {
-    "standard": {f: [_K(64, 4)] for f in ("mamba2", "gdn", "kda")},
+    "standard": {f: [_K("standard", 64, 4)] for f in ("mamba2", "gdn", "kda")},
     "replay": {
-        "mamba2": [_K(64, 1, False, maxnreg=96), _K(64, 1, False, group=4, dense_rows=16)],
-        "gdn": [_K(64, 1, False, group=4, dense_rows=16), _K(128, 1, False, group=4, dense_rows=16)],
-        "kda": [_K(64, 1, group=4, dense_rows=16), _K(128, 1, group=4, dense_rows=16)],
+        "mamba2": [_K("read", 64, 1, maxnreg=96), _K("read", 64, 1, group=4, dense_rows=16)],
+        "gdn": [_K("read", 64, 1, group=4, dense_rows=16), _K("read", 128, 1, group=4, dense_rows=16)],
+        "kda": [_K("read", 64, 1, group=4, dense_rows=16), _K("read", 128, 1, group=4, dense_rows=16)],
     },
     "sketch": {
-        # map rows loaded after the sweep (early_map=False) won every run since they were tried;
-        # groups of 3-8 cut the dependent load round trips of a long buffer at ≤ 72 registers
-        # (and the buffer prefetched into L2 first: GDN's default; for Mamba-2 it won 0.5% at batch
-        # 256 and lost 4% at batch 64)
+        # groups of 3-8 cut the dependent load round trips of a long buffer at ≤ 72 registers, with
+        # the map rows loaded after the sweep (and the buffer prefetched into L2 first)
         "mamba2": [
-            _K(64, 1, False, maxnreg=cap, group=g, dense_rows=16, early_map=False, prefetch=pf)
+            _K("read", 64, 1, maxnreg=cap, group=g, dense_rows=16, early_map=False, prefetch=pf)
             for cap, g, pf in ((64, 4, False), (64, 6, False), (64, 8, False), (64, 8, True))
         ]
-        # the split read (read_split.py): the coefficients once per key group (and the dots, or
-        # the head kernel computes them), then the heads' sums, 4 heads per program (the one-kernel
-        # fields serve spec_verify)
-        + [
-            _K(64, 1, False, maxnreg=64, group=8, dense_rows=16, early_map=False, split=2, heads=4, dots=d)
-            for d in (2, 0)
-        ],
+        # the split read: the coefficients once per key group (and the dots, or the head kernel
+        # computes them), then the heads' sums, 4 heads per program (the one-kernel fields serve
+        # spec_verify)
+        + [replace(DEFAULT_CONFIGS[("sketch", "mamba2")], dots=d) for d in (2, 0)],
         # one program per head (V = 128): the sweep is done once, not once per half
         "gdn": [
-            _K(128, 1, False, maxnreg=cap, group=g, dense_rows=16, early_map=False, prefetch=pf)
+            _K("read", 128, 1, maxnreg=cap, group=g, dense_rows=16, early_map=False, prefetch=pf)
             for cap, g, pf in ((64, 2, False), (64, 3, False), (72, 4, False), (64, 6, False), (64, 6, True))
         ],
-        # (groups of 4 and 6 fit in 72 registers too: tried again now that a buffered token's
-        # decays are read as bf16 log₂, half the bytes of each group's loads)
         "kda": [
-            _K(128, 1, True, maxnreg=cap, group=g, dense_rows=16, early_map=False)
+            _K("read", 128, 1, maxnreg=cap, group=g, dense_rows=16, early_map=False)
             for cap, g in ((64, 2), (72, 2), (72, 3), (72, 4), (72, 6))
         ],
     },
     "flush": {
-        # the chunked (tensor-core) flush on Sᵀ tiles (a register cap trades a few spills for more
-        # resident warps), Mamba-2's persistent Gluon form of it, and the token-by-token sweeps
+        # Mamba-2: the chunked flush on tensor cores (a register cap trades a few spills for more
+        # resident warps), its persistent Gluon form, and the token-by-token sweep
         "mamba2": [
-            _K(64, 4),
-            _K(64, 4, maxnreg=128),
-            _K(64, 4, maxnreg=120),
-            _K(16, 1, False, 2, 96),
-            _K(64, 4, maxnreg=168, pipelined=3),
+            _K("chunk", 64, 4),
+            _K("chunk", 64, 4, maxnreg=128),
+            _K("chunk", 64, 4, maxnreg=120),
+            _K("sweep", 16, 1, vec=2, maxnreg=96),
+            _K("gluon_chunk", 64, 4, maxnreg=168, per_sm=3),
         ],
         "gdn": [
-            _K(64, 4, maxnreg=168),
-            _K(16, 1, False, 4),
-            _K(16, 1, False, 2),
-            _K(16, 1, False, 2, prefetch=True),
+            _K("sweep", 16, 1, vec=4),
+            _K("sweep", 16, 1, vec=2),
+            _K("sweep", 16, 1, vec=2, prefetch=True),
         ],
-        # (KDA: the Triton sweep, the UT fold on tensor cores, and the persistent sweep with deferred
-        # decays of flush_sweep.py: a head per program of 8 warps, or half a head per program of 4; at
-        # 8 value columns per warp it was slower, BENCHMARKS.md, fourteenth session)
+        # KDA: Triton's sweep, and the persistent Gluon sweep with deferred decays: a head per
+        # program of 8 warps, or half a head per program of 4
         "kda": [
-            _K(16, 1, False, 4, 128),
-            _K(16, 1, False, 2),
-            _K(32, 2, False, 4),
-            _K(128, 8, pipelined=1),
-            _K(128, 8, False, pipelined=1),
-            _K(64, 4, False, pipelined=2),
-            _K(64, 4, False, maxnreg=168, pipelined=3),
+            _K("sweep", 16, 1, vec=4, maxnreg=128),
+            _K("sweep", 16, 1, vec=2),
+            _K("sweep", 32, 2, vec=4),
+            _K("gluon_sweep", 128, 8, per_sm=1),
+            _K("gluon_sweep", 64, 4, per_sm=2),
+            _K("gluon_sweep", 64, 4, maxnreg=168, per_sm=3),
         ],
     },
 }
 
-# Mamba-2's sketch read split in two kernels (``KernelConfig.split``, ``read_split.py``): launch
-# shapes timed beside the default (BENCHMARKS.md, ninth session) but not among the tuning candidates;
-# time them with ``python kernels/gpu_check.py probe mamba2 sketch "<short form>;…"``. The ``gpu``
-# tests check them.
+# Mamba-2's split sketch read: further launch shapes, not among the tuning candidates; the ``gpu``
+# tests check them and ``resources.py`` compiles them.
 SPLIT_SHAPES = [
-    _K(64, 1, False, dense_rows=16, split=2, heads=4, dots=0),
-    _K(64, 1, False, dense_rows=16, split=2, heads=4, dots=2),
-    _K(64, 1, False, dense_rows=16, split=2, heads=2, dots=2),
-    _K(64, 1, False, dense_rows=16, split=2, heads=2, dots=0),
+    _K("split_read", 64, 1, dense_rows=16, coef_warps=2, heads=4, dots=0),
+    _K("split_read", 64, 1, dense_rows=16, coef_warps=2, heads=4, dots=2),
+    _K("split_read", 64, 1, dense_rows=16, coef_warps=2, heads=2, dots=2),
+    _K("split_read", 64, 1, dense_rows=16, coef_warps=2, heads=2, dots=0),
 ]
 
-TUNED_KERNELS = ("standard", "replay", "sketch", "flush_replay", "flush_sketch")
+TUNED_KERNELS = tuple(KERNEL_OPS)
+
+# the short form's keys (parse_config) and the KernelConfig fields they set
+_SHORT_KEYS = {
+    "vec": "vec",
+    "cap": "maxnreg",
+    "group": "group",
+    "rows": "dense_rows",
+    "per_sm": "per_sm",
+    "coef_warps": "coef_warps",
+    "heads": "heads",
+    "dots": "dots",
+}
+_SHORT_FORM = (
+    "FORM,BV,WARPS[,vec=N][,cap=N][,group=N][,rows=N][,per_sm=N][,coef_warps=N][,heads=N][,dots=N]"
+    "[,late_map][,prefetch]"
+)
 
 
 def parse_config(text: str) -> KernelConfig:
-    """A launch shape from its short form ``BV,WARPS[,sweep|chunked][,vec=N][,cap=N][,group=N]
-    [,rows=N][,pipe=N][,split=N][,heads=N][,dots=N][,late_map][,prefetch]``, e.g. ``16,1,sweep,vec=2`` or
-    ``64,4,cap=128``: the fields and names of BENCHMARKS.md's shape tables (``cap`` is ``maxnreg``,
-    ``rows`` is ``dense_rows``, ``pipe`` is ``pipelined``)."""
+    """A launch shape from its short form ``FORM,BV,WARPS[,key=N]…[,late_map][,prefetch]``, e.g.
+    ``sweep,16,1,vec=2`` or ``chunk,64,4,cap=128``: FORM is one of ``dispatch.FORMS``; ``cap`` is
+    ``maxnreg``, ``rows`` is ``dense_rows``, the other keys are the fields' names."""
     words = [w.strip() for w in text.split(",") if w.strip()]
-    keys = {
-        "vec": "vec",
-        "cap": "maxnreg",
-        "group": "group",
-        "rows": "dense_rows",
-        "pipe": "pipelined",
-        "split": "split",
-        "heads": "heads",
-        "dots": "dots",
-    }
     try:
-        bv, warps, *rest = words
-        opts = {keys[k]: int(v) for k, v in (w.split("=", 1) for w in rest if "=" in w)}
+        form, bv, warps, *rest = words
+        opts = {_SHORT_KEYS[k]: int(v) for k, v in (w.split("=", 1) for w in rest if "=" in w)}
         flags = {w for w in rest if "=" not in w}
-        if flags - {"sweep", "chunked", "late_map", "prefetch"} or {"sweep", "chunked"} <= flags:
-            raise ValueError(flags)
+        if flags - {"late_map", "prefetch"}:
+            raise ValueError(f"unknown flags {sorted(flags - {'late_map', 'prefetch'})}")
         return KernelConfig(
+            form,
             int(bv),
             int(warps),
-            chunked="sweep" not in flags,
             early_map="late_map" not in flags,
             prefetch="prefetch" in flags,
             **opts,
         )
     except (ValueError, KeyError) as err:
-        raise SketchcalError(
-            f"launch shape {text!r}: expected BV,WARPS[,sweep|chunked][,vec=N][,cap=N][,group=N]"
-            f"[,rows=N][,pipe=N][,split=N][,heads=N][,dots=N][,late_map][,prefetch] ({err})"
-        ) from None
+        raise SketchcalError(f"launch shape {text!r}: expected {_SHORT_FORM} ({err})") from None
+
+
+def short_form(cfg: KernelConfig) -> str:
+    """The short form of a launch shape (:func:`parse_config`'s inverse): the fields that differ
+    from their defaults."""
+    keys = {field: key for key, field in _SHORT_KEYS.items()}
+    default = {f.name: f.default for f in fields(KernelConfig)}
+    words = [cfg.form, str(cfg.block_v), str(cfg.num_warps)]
+    words += [f"{keys[f]}={getattr(cfg, f)}" for f in keys if getattr(cfg, f) != default[f]]
+    words += ["late_map"] * (not cfg.early_map) + ["prefetch"] * cfg.prefetch
+    return ",".join(words)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -385,7 +385,7 @@ def _anchor(family: str, pools: list[DecodePool], xs: list[StepInputs], slots: t
         def check() -> float:
             st = pools[0].state.clone()
             theirs = launch(st.clone(), 0, torch.empty_like(xs[0].w)).float()
-            ours = decode.standard_step(family, st, slots, xs[0]).float()
+            ours = dispatch.standard_step(family, st, slots, xs[0]).float()
             return ((theirs - ours).norm() / ours.norm()).item()
 
         return run, check
@@ -415,7 +415,7 @@ def _anchor(family: str, pools: list[DecodePool], xs: list[StepInputs], slots: t
     def check() -> float:
         st = pools[0].state.clone()
         theirs = launch(st.transpose(-1, -2).contiguous(), 0).float()
-        ours = decode.standard_step(family, st, slots, xs[0])[:, 0].float()
+        ours = dispatch.standard_step(family, st, slots, xs[0])[:, 0].float()
         return ((theirs - ours).norm() / ours.norm()).item()
 
     return run, check
@@ -447,7 +447,7 @@ def _mamba_raw(xs: list[StepInputs], heads: int, device) -> dict:
 def _configs(
     family: str, configs: dict[str, KernelConfig] | None, read_dtype: torch.dtype
 ) -> dict[str, KernelConfig]:
-    out = {kernel: decode.default_config(kernel, family, read_dtype) for kernel in TUNED_KERNELS}
+    out = {kernel: dispatch.default_config(kernel, family, read_dtype) for kernel in TUNED_KERNELS}
     out.update(configs or {})
     return out
 
@@ -550,7 +550,7 @@ def run_bench(
         def fn() -> None:
             for t in range(steps):
                 for i, pool in enumerate(plist):
-                    decode.standard_step(family, pool.state, slots, xs[t], outs[i], config=c)
+                    dispatch.standard_step(family, pool.state, slots, xs[t], outs[i], config=c)
 
         return fn
 
@@ -559,16 +559,16 @@ def run_bench(
             for t in range(window - 1):
                 for i, pool in enumerate(plist):
                     if sketch:
-                        decode.sketch_step(family, pool, tables, slots, pos[t], xs[t], outs[i], config=c)
+                        dispatch.sketch_step(family, pool, tables, slots, pos[t], xs[t], outs[i], config=c)
                     else:
-                        decode.replay_step(family, pool, slots, pos[t], xs[t], outs[i], config=c)
+                        dispatch.replay_step(family, pool, slots, pos[t], xs[t], outs[i], config=c)
 
         return fn
 
     def flush_fn(sketch: bool, c: KernelConfig) -> Callable[[], None]:
         def fn() -> None:
             for i, pool in enumerate(plist):
-                decode.flush(
+                dispatch.flush(
                     family,
                     pool,
                     slots,
@@ -617,11 +617,11 @@ def run_bench(
                         side.wait_stream(fork)
                     with torch.cuda.stream(side) if fork is not None else contextlib.nullcontext():
                         if len(fslots):
-                            decode.flush(
+                            dispatch.flush(
                                 family, pool, fslots, last[: len(fslots)], fx, fo, tables=tab, config=c_flush
                             )
                     if len(rslots):
-                        decode.spec_verify(family, pool, rslots, rpos, rx, ro, tables=tab, config=c_read)
+                        dispatch.spec_verify(family, pool, rslots, rpos, rx, ro, tables=tab, config=c_read)
                     if fork is not None:
                         fork.wait_stream(side)
 
@@ -669,7 +669,7 @@ def run_bench(
         shape,
         ranks,
         read_bytes=_nbytes(rd),
-        split=family == "mamba2" and cfg["sketch"].split > 0,
+        split=cfg["sketch"].form == "split_read",
         split_dots=cfg["sketch"].dots > 0,
     )
     copy_tbps = copy_bandwidth(dev) if cuda else float("nan")

@@ -3,13 +3,13 @@
 Run from the repository root with the package installed (``pip install -e .``)::
 
     python kernels/resources.py                 # every kernel, default launch shapes, sm_90
-    python kernels/resources.py read gdn 64 1 sweep   # one build: kernel family BV warps [sweep] [replay]
-                                                      # [vec=N] [cap=N] [group=N] [rows=N] [late_map]
-                                                      # [prefetch] [pipe=N]; kernel: standard,
-                                                      # read, flush, or split_group / split_heads
-                                                      # (Mamba-2, with split=N [heads=N] [dots=N])
-    python kernels/resources.py check           # compile every default and tuning candidate, both
-                                                # modes, 1 and 3 tokens; exit 1 if any fails
+    python kernels/resources.py read gdn read,64,1,group=4 [replay]
+                                                # one build: KERNEL FAMILY SHAPE (bench.parse_config's
+                                                # short form); KERNEL: standard, read, flush, or
+                                                # split_group / split_heads (Mamba-2's split_read)
+    python kernels/resources.py check           # compile every default, tuning candidate and
+                                                # fallback, both modes, 1 and 3 tokens; exit 1 if
+                                                # any fails
 
 Prints one line per build: kernel, family, mode, launch shape, registers per thread, stack
 bytes (spills), and the occupancy those registers allow (warps per SM out of 64, from the 64 K-register
@@ -23,6 +23,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -31,8 +32,17 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from sketchcal.kernels.bench import MODEL_SHAPES, parse_config
-from sketchcal.kernels.common import decode as D
+from sketchcal.kernels.bench import MODEL_SHAPES, parse_config, short_form
+from sketchcal.kernels.common.pool import random_sketch, rank_spread, workspace_layout
+from sketchcal.kernels.common.triton_helpers import (
+    CHUNK_MIN,
+    FAMILY_ID,
+    clip_block_v,
+    launch_options,
+    prefetch_enabled,
+)
+from sketchcal.kernels.dispatch import SWEEP_FALLBACK, KernelConfig, default_config
+from sketchcal.kernels.mamba2.flush_chunk import sketch_terms
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTR = {
@@ -61,7 +71,7 @@ PTR = {
 }
 
 
-def _compile(fn, consts: dict, cfg: D.KernelConfig, gluon: bool = False):
+def _compile(fn, consts: dict, num_warps: int, maxnreg: int = 0, gluon: bool = False):
     if not gluon:  # as launched on a Hopper device: programmatic dependent launch
         consts = dict(consts, PDL=True)
     sig = {n: "constexpr" if n in consts else PTR.get(n, "*fp32") for n in fn.arg_names}
@@ -72,24 +82,28 @@ def _compile(fn, consts: dict, cfg: D.KernelConfig, gluon: bool = False):
         if n not in consts and n != "n_items"
     }
     source = (GluonASTSource if gluon else ASTSource)(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    options = D._launch_options(cfg) if gluon else dict(D._launch_options(cfg), launch_pdl=True)
+    options = launch_options(num_warps, maxnreg)
+    if not gluon:
+        options["launch_pdl"] = True
     return triton.compile(source, target=TARGET, options=options)
 
 
-def build(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True, tokens: int = 1):
-    """Compile one kernel at the benchmark shape of ``family``; returns Triton's compiled kernel.
-    ``tokens`` > 1: the standard step or read over that many tokens (``spec_verify``)."""
+def build(kernel: str, family: str, cfg: KernelConfig, sketch: bool = True, tokens: int = 1):
+    """Compile the kernel of ``cfg.form`` that serves ``kernel`` (``standard``, ``read``,
+    ``split_group`` / ``split_heads`` (the two kernels of Mamba-2's split read) or ``flush``) at the
+    benchmark shape of ``family``; returns Triton's compiled kernel. ``tokens`` > 1: the standard
+    step or read over that many tokens (``spec_verify``)."""
     s = MODEL_SHAPES[family]
-    fam = D.FAMILY_ID[family]
-    bv = min(cfg.block_v, s.value_dim)
-    common = dict(
-        H=s.heads, G=s.groups, K=s.key_dim, V=s.value_dim, BV=bv, FAMILY=fam, HAS_SKIP=family == "mamba2"
-    )
+    bv = clip_block_v(cfg.block_v, s.value_dim)
+    dims = dict(H=s.heads, G=s.groups, K=s.key_dim, V=s.value_dim)
+    common = dict(dims, BV=bv, FAMILY=FAMILY_ID[family], HAS_SKIP=family == "mamba2")
+    nw, cap = cfg.num_warps, cfg.maxnreg
     if kernel == "standard":
-        return _compile(D._standard_kernel, dict(T=tokens, **common), cfg)
-    if kernel in ("split_group", "split_heads"):  # Mamba-2's split sketch read (read_split.py), bf16
-        from sketchcal.kernels.common import read_split as RS
-        from sketchcal.kernels.common.pool import random_sketch, rank_spread, workspace_layout
+        from sketchcal.kernels.common import standard
+
+        return _compile(standard._standard_kernel, dict(T=tokens, **common), nw, cap)
+    if kernel in ("split_group", "split_heads"):  # Mamba-2's split sketch read, bf16
+        from sketchcal.kernels.mamba2 import read_split as RS
 
         # the benchmark's tables (mean rank 8): their map rows and widest group
         tables = random_sketch(family, rank_spread(s.heads, 8, s.key_dim), s.groups, s.key_dim)
@@ -108,7 +122,7 @@ def build(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True, to
                 Q_BF16=True,
                 EMULATE=False,
             )
-            return _compile(RS._group_kernel, consts, D.KernelConfig(1, cfg.split))
+            return _compile(RS._group_kernel, consts, cfg.coef_warps)
         consts = dict(
             layout,
             H=s.heads,
@@ -119,47 +133,43 @@ def build(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True, to
             HAS_SKIP=True,
             DENSE_ROWS=min(cfg.dense_rows, s.key_dim),
         )
-        return _compile(RS._head_kernel, consts, D.KernelConfig(1, cfg.num_warps))
+        return _compile(RS._head_kernel, consts, nw)
     if kernel == "read":
+        from sketchcal.kernels.common import read
+
         # as the benchmark's bf16 pools: KDA's reads take the log₂ decays
         consts = dict(
             T=tokens,
             C=16,
-            BC=16,
             M=32,
             SKETCH=sketch,
-            K_BF16=True,
-            EMULATE=False,
             LOG2_DECAY=family == "kda",
-            **D._read_options(cfg, s.key_dim),
+            **read.read_options(cfg, s.key_dim),
             **common,
         )
-        return _compile(D._read_kernel, consts, cfg)
-    consts = dict(C=16, HAS_X=True, HAS_READ=True, ROWS=sketch, SKETCH_OUT=sketch, **common)
-    if cfg.pipelined and family == "mamba2":
-        from sketchcal.kernels.common import flush_pipelined as P
+        return _compile(read._read_kernel, consts, nw, cap)
+    flags = dict(HAS_X=True, HAS_READ=True, ROWS=sketch, SKETCH_OUT=sketch, HAS_SKIP=family == "mamba2")
+    terms = dict(SKETCH_TERMS=sketch_terms(torch.bfloat16))  # a bf16 sketch, as the benchmark's
+    if cfg.form == "gluon_chunk":
+        from sketchcal.kernels.mamba2 import flush_pipelined
 
-        consts = {k: v for k, v in consts.items() if k not in ("BV", "FAMILY")}
-        consts.update(BC=16, SKETCH_TERMS=D.sketch_terms(torch.bfloat16))  # a bf16 sketch, as the benchmark's
-        return _compile(P._flush_pipelined_kernel, consts, cfg, gluon=True)
-    if cfg.pipelined and family == "kda" and not cfg.chunked:
-        from sketchcal.kernels.kda import flush_sweep as SK
+        consts = dict(dims, C=16, BC=16, **flags, **terms)
+        return _compile(flush_pipelined._flush_pipelined_kernel, consts, nw, cap, gluon=True)
+    if cfg.form == "gluon_sweep":
+        from sketchcal.kernels.kda import flush_sweep
 
-        consts = {k: v for k, v in consts.items() if k not in ("BV", "FAMILY", "G")}
-        consts.update(BC=16, VB=bv, MR=SK.frame_rows(cfg.pipelined, s.key_dim, bv))
-        return _compile(SK._flush_kda_sweep_kernel, consts, cfg, gluon=True)
-    if cfg.pipelined and family == "kda":
-        from sketchcal.kernels.kda import flush_pipelined as PK
+        mr = flush_sweep.frame_rows(cfg.per_sm, s.key_dim, bv)
+        consts = dict(H=s.heads, K=s.key_dim, V=s.value_dim, C=16, BC=16, MR=mr, VB=bv, **flags)
+        return _compile(flush_sweep._flush_kda_sweep_kernel, consts, nw, cap, gluon=True)
+    if cfg.form == "chunk":
+        from sketchcal.kernels.mamba2 import flush_chunk
 
-        consts = {k: v for k, v in consts.items() if k not in ("BV", "FAMILY", "G")}
-        consts.update(BC=16, SKETCH_TERMS=D.sketch_terms(torch.bfloat16))
-        return _compile(PK._flush_kda_kernel, consts, cfg, gluon=True)
-    if cfg.chunked:
-        consts.update(
-            BC=16, LOG2_BC=4, K_BF16=True, SKETCH_TERMS=D.sketch_terms(torch.bfloat16), EMULATE=False
-        )
-        return _compile(D._flush_chunk_kernel, consts, cfg)
-    return _compile(D._flush_kernel, dict(VEC=cfg.vec, PREFETCH=D._prefetch(cfg), **consts), cfg)
+        consts = dict(dims, BV=max(bv, CHUNK_MIN), C=16, BC=16, **flags, K_BF16=True, **terms, EMULATE=False)
+        return _compile(flush_chunk._flush_chunk_kernel, consts, nw, cap)
+    from sketchcal.kernels.common import flush
+
+    consts = dict(common, C=16, **flags, VEC=cfg.vec, PREFETCH=prefetch_enabled(cfg.prefetch))
+    return _compile(flush._flush_kernel, consts, nw, cap)
 
 
 def resource_usage(cubin: bytes) -> tuple[int, int]:
@@ -176,51 +186,48 @@ def resource_usage(cubin: bytes) -> tuple[int, int]:
     return regs, stack
 
 
-def report(kernel: str, family: str, cfg: D.KernelConfig, sketch: bool = True) -> str:
+def report(kernel: str, family: str, cfg: KernelConfig, sketch: bool = True) -> str:
     regs, spills = resource_usage(build(kernel, family, cfg, sketch).asm["cubin"])
     # the 64 K-register file, 64 warps and 32 resident programs per SM (sm_90)
-    nw = cfg.split if kernel == "split_group" else cfg.num_warps
+    nw = cfg.coef_warps if kernel == "split_group" else cfg.num_warps
     warps = min(64, 32 * nw, (65536 // max(1, regs * 32)) // nw * nw)
     mode = ("sketch" if sketch else "replay") if kernel != "standard" else "-"
-    form = "chunked" if cfg.chunked else "sweep"
-    form = f"pipe={cfg.pipelined}" if cfg.pipelined and kernel == "flush" and family != "gdn" else form
-    extra = (f" vec={cfg.vec}" if cfg.vec else "") + (f" cap={cfg.maxnreg}" if cfg.maxnreg else "")
-    extra += f" group={cfg.group}" if cfg.group else ""
-    extra += f" rows={cfg.dense_rows}" if cfg.dense_rows else ""
-    extra += "" if cfg.early_map else " late_map"
-    extra += " prefetch" if cfg.prefetch else ""
-    extra += f" split={cfg.split} heads={cfg.heads} dots={cfg.dots}" if cfg.split else ""
     return (
-        f"{kernel:8s} {family:6s} {mode:6s} BV={cfg.block_v:<3d} warps={cfg.num_warps} {form:7s}"
-        f"{extra:14s} regs={regs:3d} stack={spills:5d}B  occupancy≤{warps}/64 warps"
+        f"{kernel:11s} {family:6s} {mode:6s} {short_form(cfg):48s} regs={regs:3d} stack={spills:5d}B  "
+        f"occupancy≤{warps}/64 warps"
     )
 
 
-def builds() -> list[tuple[str, str, D.KernelConfig, bool, int]]:
+def builds() -> list[tuple[str, str, KernelConfig, bool, int]]:
     """Every launch the package can make at the benchmark shapes, without repeats: (kernel, family,
     config, sketch mode, tokens). The defaults and every tuning candidate, in both modes; the reads
     and the standard step also over 3 tokens, as ``spec_verify`` runs them."""
     from sketchcal.kernels.bench import TUNE_CANDIDATES
 
-    out: list[tuple[str, str, D.KernelConfig, bool, int]] = []
+    out: list[tuple[str, str, KernelConfig, bool, int]] = []
     for family in ("gdn", "kda", "mamba2"):
         for tokens in (1, 3):
-            for cfg in {D.default_config("standard", family), *TUNE_CANDIDATES["standard"][family]}:
+            for cfg in {default_config("standard", family), *TUNE_CANDIDATES["standard"][family]}:
                 out.append(("standard", family, cfg, False, tokens))
             for sketch in (False, True):
                 mode = "sketch" if sketch else "replay"
-                for cfg in {D.default_config(mode, family), *TUNE_CANDIDATES[mode][family]}:
+                for cfg in {default_config(mode, family), *TUNE_CANDIDATES[mode][family]}:
                     out.append(("read", family, cfg, sketch, tokens))
         if family == "mamba2":
             from sketchcal.kernels.bench import SPLIT_SHAPES
 
             parts = ("split_group", "split_heads")
-            split = {D.default_config("sketch", family), *TUNE_CANDIDATES["sketch"][family], *SPLIT_SHAPES}
-            out += [(part, family, cfg, True, 1) for cfg in split if cfg.split for part in parts]
+            split = {default_config("sketch", family), *TUNE_CANDIDATES["sketch"][family], *SPLIT_SHAPES}
+            out += [
+                (part, family, cfg, True, 1) for cfg in split if cfg.form == "split_read" for part in parts
+            ]
         for sketch in (False, True):
             kind = "flush_sketch" if sketch else "flush_replay"
-            for cfg in {D.default_config(kind, family), *TUNE_CANDIDATES["flush"][family]}:
-                out.append(("flush", family, cfg, sketch, 1))
+            flushes = {default_config(kind, family), *TUNE_CANDIDATES["flush"][family]}
+            # and the Triton kernels the Gluon ones fall back to
+            flushes |= {replace(c, form="chunk") for c in flushes if c.form == "gluon_chunk"}
+            flushes |= {SWEEP_FALLBACK for c in flushes if c.form == "gluon_sweep"}
+            out += [("flush", family, cfg, sketch, 1) for cfg in flushes]
     return out
 
 
@@ -249,17 +256,16 @@ def main(argv: list[str]) -> None:
     if argv == ["check"]:
         sys.exit(1 if check() else 0)
     if argv:
-        kernel, family, bv, nw, *rest = argv
-        cfg = parse_config(",".join([bv, nw, *(w for w in rest if w != "replay")]))
-        print(report(kernel, family, cfg, sketch="replay" not in rest), flush=True)
+        kernel, family, shape, *rest = argv
+        print(report(kernel, family, parse_config(shape), sketch="replay" not in rest), flush=True)
         return
     for family in ("gdn", "kda", "mamba2"):
-        print(report("standard", family, D.default_config("standard", family)), flush=True)
+        print(report("standard", family, default_config("standard", family)), flush=True)
         for sketch in (False, True):
             mode = "sketch" if sketch else "replay"
-            print(report("read", family, D.default_config(mode, family), sketch), flush=True)
+            print(report("read", family, default_config(mode, family), sketch), flush=True)
             kind = f"flush_{mode}"
-            print(report("flush", family, D.default_config(kind, family), sketch), flush=True)
+            print(report("flush", family, default_config(kind, family), sketch), flush=True)
 
 
 if __name__ == "__main__":

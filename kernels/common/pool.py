@@ -1,6 +1,6 @@
 """Serving-side tensors of the decode kernels: the slot pool, the sketch tables, the rank spread.
 
-Everything here is plain torch and shared by the Triton kernels (``common/decode.py``), their
+Everything here is plain torch and shared by the Triton kernels (``dispatch.py`` runs them), their
 float64 references (``common/reference.py``) and the benchmark (``bench.py``).
 
 Dimensions: N pool slots, B batch entries (each addressing one slot, or -1 for padding),
@@ -64,7 +64,7 @@ class DecodePool:
                    at most |log₂ of the product| · 2⁻⁹ · ln 2, below a bf16 read's own). The flush
                    folds the fp32 decays; an fp32 read copy (exact replay) reads them too.
         workspace  [N, G, (H/G)·M + C + 1] fp32, Mamba-2 sketch pools: what the split sketch
-                   read (``read_split.py``) hands from its per-group kernel to its per-head
+                   read (``mamba2/read_split.py``) hands from its per-group kernel to its per-head
                    one: per (slot, group) each head's coefficients ``P q`` (M per head, head by
                    head), then ``k·q`` of the new token and of the C buffered ones. Scratch, not
                    state: :meth:`tensors` leaves it out and :meth:`clone` gives a fresh one.
@@ -171,7 +171,7 @@ class SketchTables:
                    (K for a dense head, 0 for a sketch head, whose sketch is separate)
 
     Mamba-2 only (derived from the above at construction, for the split sketch read of
-    ``read_split.py``, whose group kernel computes the coefficients of all a group's heads together):
+    ``mamba2/read_split.py``, whose group kernel computes the coefficients of all a group's heads together):
 
         group_maps   [G, R, K] fp32: the maps of a group's heads packed one after the other (rows
                      r < m of head h); R is the widest group's Σ m, rows past a group's own
@@ -180,8 +180,8 @@ class SketchTables:
                      (``(h mod H/G) · M + r``), -1 past the group's rows
         group_width  [G] int32: Σ m over the group's heads
 
-    Mamba-2 and KDA (for the sketch of their Gluon flushes, ``common/flush_pipelined.py`` and
-    ``kda/flush_pipelined.py``, which copy a group's first chunk into shared memory as it is):
+    Mamba-2 and KDA (for the sketch of Mamba-2's Gluon flush, ``mamba2/flush_pipelined.py``, which
+    copies a group's first chunk into shared memory as it is; KDA's flushes read ``frames``):
 
         frame_terms  [G, ⌈K/16⌉, 3, 16, K] bf16: the frames in chunks of 16 rows, each chunk as
                      three bf16 terms (largest first; their sum is R exact to fp32 rounding); rows

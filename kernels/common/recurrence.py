@@ -54,21 +54,11 @@ class StepInputs:
     beta: Tensor | None = None
     skip: Tensor | None = None
 
-    @property
-    def num_tokens(self) -> int:
-        return self.k.shape[-3]
-
-    @property
-    def num_heads(self) -> int:
-        return self.k.shape[-2]
-
-    @property
-    def key_dim(self) -> int:
-        return self.k.shape[-1]
-
-    @property
-    def value_dim(self) -> int:
-        return self.w.shape[-1]
+    # the dims (fields without annotations: not dataclass fields)
+    num_tokens = property(lambda self: self.k.shape[-3], doc="T, the tokens per sequence")
+    num_heads = property(lambda self: self.k.shape[-2], doc="H (G for kernel-layout keys)")
+    key_dim = property(lambda self: self.k.shape[-1], doc="K")
+    value_dim = property(lambda self: self.w.shape[-1], doc="V")
 
     def map(self, fn) -> StepInputs:
         """Apply ``fn`` to every tensor field (None stays None)."""

@@ -52,13 +52,10 @@ def _buffered(pool: DecodePool, s: int, n: int, skip: bool, read: bool) -> StepI
     else:
         decay = pool.buf_decay[s, :, :n].to(F64)
     return StepInputs(
-        k=k,
-        q=torch.zeros_like(k),
-        w=w,
-        decay=decay.transpose(0, 1),
+        k=k, q=torch.zeros_like(k), w=w, decay=decay.transpose(0, 1),
         beta=None if pool.buf_beta is None else pool.buf_beta[s, :, :n].transpose(0, 1).to(F64),
         skip=torch.zeros_like(w) if skip else None,
-    )
+    )  # fmt: skip
 
 
 def _concat(a: StepInputs, b: StepInputs | None) -> StepInputs:
@@ -131,13 +128,9 @@ def _sketch_term(tables: SketchTables, pool: DecodePool, s: int, u: Tensor) -> T
 
 
 def spec_verify(
-    family: str,
-    pool: DecodePool,
-    slots: Tensor,
-    pos: Tensor,
-    x: StepInputs,
+    family: str, pool: DecodePool, slots: Tensor, pos: Tensor, x: StepInputs,
     tables: SketchTables | None = None,
-) -> Tensor:
+) -> Tensor:  # fmt: skip
     """Outputs of T tokens after the ``pos[b]`` buffered ones, from checkpoint + buffer, without
     materialising a state; the T tokens are appended to the buffer. ``tables`` None reads the
     full read copy (replay), else the sketch."""
@@ -171,13 +164,9 @@ def sketch_step(
 
 
 def flush(
-    family: str,
-    pool: DecodePool,
-    slots: Tensor,
-    pos: Tensor,
-    x: StepInputs | None = None,
+    family: str, pool: DecodePool, slots: Tensor, pos: Tensor, x: StepInputs | None = None,
     tables: SketchTables | None = None,
-) -> Tensor | None:
+) -> Tensor | None:  # fmt: skip
     """Fold the ``pos[b]`` buffered tokens (then ``x``'s one token, if given, whose output is
     returned) exactly into the fp32 checkpoint; refresh the read copy (all rows, or
     ``tables.read_rows``) and, with ``tables``, the sketch R_{:m} S_c of every head of rank m."""

@@ -25,19 +25,10 @@ def _rand(shape, generator, device, low=None, high=None) -> Tensor:
 
 
 def random_inputs(
-    family: str,
-    batch: int,
-    tokens: int,
-    heads: int,
-    groups: int,
-    key_dim: int,
-    value_dim: int,
-    *,
-    dtype: torch.dtype = torch.bfloat16,
-    device="cpu",
-    generator: torch.Generator | None = None,
+    family: str, batch: int, tokens: int, heads: int, groups: int, key_dim: int, value_dim: int, *,
+    dtype: torch.dtype = torch.bfloat16, device="cpu", generator: torch.Generator | None = None,
     skip: bool | None = None,
-) -> StepInputs:
+) -> StepInputs:  # fmt: skip
     """Kernel-layout inputs [B, T, ...]; ``skip`` defaults to True for Mamba-2 only."""
     g = generator
     b, t, h, gr, kd, vd = batch, tokens, heads, groups, key_dim, value_dim
@@ -61,45 +52,23 @@ def random_inputs(
     sk = 0.5 * _rand((b, t, h, vd), g, dev) if skip else None
     x = StepInputs(k=k, q=q, w=w, decay=decay, beta=beta, skip=sk)
     return StepInputs(
-        k=x.k.to(device, dtype),
-        q=x.q.to(device, dtype),
-        w=x.w.to(device, dtype),
-        decay=x.decay.to(device),
+        k=x.k.to(device, dtype), q=x.q.to(device, dtype), w=x.w.to(device, dtype), decay=x.decay.to(device),
         beta=None if beta is None else x.beta.to(device),
         skip=None if sk is None else x.skip.to(device, dtype),
-    )
+    )  # fmt: skip
 
 
 def random_pool(
-    family: str,
-    slots: int,
-    heads: int,
-    groups: int,
-    key_dim: int,
-    value_dim: int,
-    *,
-    capacity: int = 0,
-    read_dtype: torch.dtype | None = torch.bfloat16,
-    sketch_rows: int = 0,
-    input_dtype: torch.dtype = torch.bfloat16,
-    device="cpu",
-    generator: torch.Generator | None = None,
-) -> DecodePool:
+    family: str, slots: int, heads: int, groups: int, key_dim: int, value_dim: int, *, capacity: int = 0,
+    read_dtype: torch.dtype | None = torch.bfloat16, sketch_rows: int = 0,
+    input_dtype: torch.dtype = torch.bfloat16, device="cpu", generator: torch.Generator | None = None,
+) -> DecodePool:  # fmt: skip
     """A pool with random states, read copy = the state cast to ``read_dtype``, random buffered
     tokens in every entry and a random sketch."""
     pool = allocate_pool(
-        family,
-        slots,
-        heads,
-        groups,
-        key_dim,
-        value_dim,
-        capacity=capacity,
-        read_dtype=read_dtype,
-        sketch_rows=sketch_rows,
-        input_dtype=input_dtype,
-        device=device,
-    )
+        family, slots, heads, groups, key_dim, value_dim, capacity=capacity, read_dtype=read_dtype,
+        sketch_rows=sketch_rows, input_dtype=input_dtype, device=device,
+    )  # fmt: skip
     pool.state.copy_(0.3 * _rand(pool.state.shape, generator, device))
     if pool.read is not None:
         pool.read.copy_(pool.state)
@@ -107,18 +76,9 @@ def random_pool(
         pool.sketch.copy_(0.3 * _rand(pool.sketch.shape, generator, device))
     if capacity > 0:
         x = random_inputs(
-            family,
-            slots,
-            capacity,
-            heads,
-            groups,
-            key_dim,
-            value_dim,
-            dtype=input_dtype,
-            device=device,
-            generator=generator,
-            skip=False,
-        )
+            family, slots, capacity, heads, groups, key_dim, value_dim, dtype=input_dtype, device=device,
+            generator=generator, skip=False,
+        )  # fmt: skip
         pool.buf_k.copy_(x.k.transpose(1, 2))
         pool.buf_w.copy_(x.w.transpose(1, 2))
         pool.buf_decay.copy_(x.decay.transpose(1, 2))

@@ -6,12 +6,8 @@ w = β_t v_t. ``A_t`` is symmetric, so ``A_tᵀ u = A_t u``.
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 from torch import Tensor
-
-from sketchcal.kernels.common import reference as _reference
 
 
 class GatedDeltaNet:
@@ -33,10 +29,3 @@ class GatedDeltaNet:
 
 
 FAMILY = GatedDeltaNet()
-
-# Serving-API references over a slot pool (``common/reference.py``), bound to this family.
-standard_step = partial(_reference.standard_step, FAMILY.name)
-replay_step = partial(_reference.replay_step, FAMILY.name)
-sketch_step = partial(_reference.sketch_step, FAMILY.name)
-flush = partial(_reference.flush, FAMILY.name)
-spec_verify = partial(_reference.spec_verify, FAMILY.name)

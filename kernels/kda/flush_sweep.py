@@ -1,14 +1,16 @@
-"""KDA's token-by-token flush as a persistent, software-pipelined Gluon kernel (CUDA only), with the
-per-channel decays deferred into one scale per key channel.
+"""KDA's flush as a persistent, software-pipelined Gluon sweep (CUDA only), with the per-channel
+decays deferred into one scale per key channel: KDA's default flush.
 
-Triton's sweep (``decode._flush_kernel``) runs one program per [K, 16] tile and spends three
-operations per state element per buffered token: the decay ``S ← Diag(α_j) S``, the dot ``kᵀ S`` and
-the rank-1 update. Every program also rebuilds each token's per-channel terms (keys, decays) for its
-own tile, and no load is in flight while it computes (BENCHMARKS.md). Here a program of
-``num_warps`` warps takes whole heads, ``pid, pid + programs, …``, a work item at a time: a work item
-is ``KernelConfig.block_v`` value columns of a head (the default: half a head on 4 warps), each warp a
-band of 16 (or 8) columns, and a head's items follow one another. While one item is swept, the next
-item's state tile, buffered keys, decays and values are copied into shared memory (``cp.async``).
+Triton's sweep (``common/flush.py``, KDA's fallback) runs one program per [K, BV] tile and spends
+three operations per state element per buffered token: the decay ``S ← Diag(α_j) S``, the dot
+``kᵀ S`` and the rank-1 update; every program also rebuilds each token's per-channel terms (keys,
+decays) for its own tile, and no load is in flight while it computes. Here a program of
+``num_warps`` warps takes whole heads, ``pid, pid + programs, …``, a work item at a time: a work
+item is ``KernelConfig.block_v`` value columns of a head, each warp a band of 16 (or 8) columns,
+and a head's items follow one another. While one item is swept, the next item's state tile,
+buffered keys, decays and values are copied into shared memory (``cp.async``). Several programs per
+SM (``KernelConfig.per_sm``) let the phases of one (coefficients, sweep, stores, sketch) overlap
+those of the others.
 
 The math: with ``c_j = α_0 ⊙ ⋯ ⊙ α_j`` (per channel, running products) the head's state is held as
 ``S = Diag(c) Ŝ``, and token j (``w_j = β_j v_j``) costs two operations per element:
@@ -27,54 +29,41 @@ Then the flush's new token, the state store, the read copy (replay: every head; 
 heads) and the sketch ``R_{:m} S`` (exact fp32 products of R's rows, on the FMA units, as the
 Triton sweep writes it).
 
-Speed (BENCHMARKS.md, twelfth to fourteenth sessions): KDA's default flush, at half a head per
-program of 4 warps and three programs per SM (168 registers), so that the phases of one program
-(coefficients, sweep, stores, sketch) overlap those of the other two. On the H200 at batch 256 it
-takes 504 µs in sketch mode and 437 µs in replay mode (run 93), against 587 and 494 µs for a whole
-head per program of 8 warps, one per SM, and 630 and 608 µs for Triton's sweep. (Before run 93 the
-items were dealt round-robin, each building its head's rows: 519 and 442 µs.) Within one 8-warp
-program the warps ran the head's chains of dependent steps in lockstep, and 0.5 instructions
-issued per scheduler per cycle (0.61 now, run 90). Quarter heads (2 warps, four programs per SM)
-repeat the per-item work too often (630 µs), and so do 8 value columns per warp (641 µs for half a
-head on 8 warps, 675 for a quarter on 4: run 86).
-
 Gluon kernels cannot run in the CPU interpreter: the ``gpu`` tests hold this kernel to the float64
-reference (``decode.flush`` chooses it with ``KernelConfig(chunked=False, pipelined=N)``).
+reference.
 """
 
 from __future__ import annotations
 
-import torch
+from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-# the running products the scaled sweep takes (as the chunked flush's scaled form): their
-# reciprocals stay finite and normal
-from sketchcal.kernels.common.decode import HUGE, TINY
-from sketchcal.kernels.common.flush_pipelined import (
-    _async_load,
-    _barrier,
-    _entry,
-    _head_flags,
-    _mul,
-    _store_state,
+from sketchcal.kernels.common.flush import flush_arguments, flush_flags
+from sketchcal.kernels.common.gluon_helpers import (
+    async_load,
+    barrier,
+    head_flags,
     launch_persistent,
+    mul,
+    store_state,
+    work_item,
 )
+from sketchcal.kernels.common.pool import DecodePool, SketchTables
+from sketchcal.kernels.common.recurrence import StepInputs
 
-# the buffered betas and the new token's inputs, loaded one item ahead, as the UT fold loads them; here
-# the betas too go into the compact layout (loaded in the tile's layouts instead, each thread would load
-# 16 of each vector: the replay flush took 539 against 496 µs at batch 256)
-from sketchcal.kernels.kda.flush_pipelined import _issue_window, _small_inputs
+# the running products the scaled sweep takes: their reciprocals stay finite and normal
+from sketchcal.kernels.common.triton_helpers import HUGE, TINY, clip_block_v
 
-if hasattr(gl.shared_memory_descriptor, "reinterpret"):  # Triton ≥ 3.7 (the CPU machine's 3.9)
+if hasattr(gl.shared_memory_descriptor, "reinterpret"):  # Triton ≥ 3.7
 
     @gluon.jit
     def _rows(plane, R: gl.constexpr, N: gl.constexpr, layout: gl.constexpr):
         """The plane [R, N] viewed as [R, 1, N]: ``.index(j)`` is then row j as [1, N], at a dynamic j."""
         return plane.reinterpret(plane.dtype, [R, 1, N], layout)
 
-else:  # Triton 3.6 (the device's)
+else:  # Triton 3.6
 
     @gluon.jit
     def _rows(plane, R: gl.constexpr, N: gl.constexpr, layout: gl.constexpr):
@@ -83,36 +72,75 @@ else:  # Triton 3.6 (the device's)
 
 
 @gluon.jit
+def _issue_window(
+    state, buf_k, buf_w, buf_decay, item, s, n, s_smem, k_smem, w_smem, a_smem, v0, H: gl.constexpr,
+    K: gl.constexpr, V: gl.constexpr, C: gl.constexpr, BC: gl.constexpr, LS: gl.constexpr, LB: gl.constexpr,
+    LF: gl.constexpr, VT: gl.constexpr,
+):  # fmt: skip
+    """Start the copies of head item ``item``'s window (slot ``s``, ``n`` buffered tokens) into
+    shared memory, uncommitted: value columns ``v0 … v0 + VT`` of its state tile ([K, VT] fp32) and
+    buffered values ([BC, VT] bf16), and its buffered keys [BC, K] bf16 and decays [BC, K] fp32
+    (rows ≥ n zero-filled). A padding slot or an item past the end copies zeros."""
+    i_h = item % H
+    live = s >= 0
+    head = gl.where(live, s, 0).to(gl.int64) * H + i_h
+    o_k = gl.arange(0, K, gl.SliceLayout(1, LS))
+    o_v = gl.arange(0, VT, gl.SliceLayout(0, LS))
+    m_s = (o_k[:, None] < gl.where(live, K, 0)) & (o_v[None, :] < VT)
+    async_load(s_smem, state + head * (K * V) + v0 + (o_k[:, None] * V + o_v[None, :]), m_s)
+    nb = gl.where(live, n, 0)
+    o_c = gl.arange(0, BC, gl.SliceLayout(1, LB))
+    o_kb = gl.arange(0, K, gl.SliceLayout(0, LB))
+    o_vb = gl.arange(0, VT, gl.SliceLayout(0, LB))
+    m_k = (o_c[:, None] < nb) & (o_kb[None, :] < K)
+    async_load(k_smem, buf_k + head * (C * K) + (o_c[:, None] * K + o_kb[None, :]), m_k)  # G = H
+    m_w = (o_c[:, None] < nb) & (o_vb[None, :] < VT)
+    async_load(w_smem, buf_w + head * (C * V) + v0 + (o_c[:, None] * V + o_vb[None, :]), m_w)
+    o_cf = gl.arange(0, BC, gl.SliceLayout(1, LF))
+    o_kf = gl.arange(0, K, gl.SliceLayout(0, LF))
+    m_a = (o_cf[:, None] < nb) & (o_kf[None, :] < K)
+    async_load(a_smem, buf_decay + head * (C * K) + (o_cf[:, None] * K + o_kf[None, :]), m_a)
+
+
+@gluon.jit
+def _small_inputs(
+    k, q, w, decay, beta, skip, buf_beta, item, s, n, v0, H: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
+    C: gl.constexpr, BC: gl.constexpr, L1: gl.constexpr, LBT: gl.constexpr, HAS_X: gl.constexpr,
+    HAS_SKIP: gl.constexpr, VT: gl.constexpr,
+):  # fmt: skip
+    """Head item ``item``'s small inputs, loaded one item ahead into few registers (1-D layouts
+    spread over the whole program; loaded in the tile's layouts instead, each thread would load 16
+    of each vector): the buffered betas [BC] (0 past n, in ``LBT``) and with ``HAS_X`` the new
+    token's key, query and decay [K], value columns ``v0 … v0 + VT`` of its value and skip [VT]
+    (``L1``) and beta."""
+    i_b = item // H
+    i_h = item % H
+    live_s = s >= 0
+    o_c = gl.arange(0, BC, LBT)
+    hb = (gl.where(live_s, s, 0).to(gl.int64) * H + i_h) * C
+    bt = gl.load(buf_beta + hb + o_c, mask=o_c < gl.where(live_s, n, 0), other=0.0)
+    o_k = gl.arange(0, K, L1)
+    o_v = gl.arange(0, VT, L1)
+    live = live_s & HAS_X
+    xk = (i_b * H + i_h) * K  # G = H
+    xw = (i_b * H + i_h) * V + v0
+    mk = live & (o_k < K)
+    kk = gl.load(k + xk + o_k, mask=mk, other=0.0)
+    qq = gl.load(q + xk + o_k, mask=mk, other=0.0)
+    dd = gl.load(decay + xk + o_k, mask=mk, other=1.0)
+    ww = gl.load(w + xw + o_v, mask=live & (o_v < VT), other=0.0)
+    sw = gl.load(skip + xw + o_v, mask=live & HAS_SKIP & (o_v < VT), other=0.0)
+    bx = gl.load(beta + i_b * H + i_h, mask=live, other=0.0)
+    return bt, kk, qq, dd, ww, sw, bx
+
+
+@gluon.jit
 def _issue(
-    state,
-    buf_k,
-    buf_w,
-    buf_decay,
-    buf_beta,
-    m,
-    frames,
-    item,
-    s,
-    n,
-    s_smem,
-    k_smem,
-    a_smem,
-    w_smem,
-    b_smem,
-    r_smem,
-    H: gl.constexpr,
-    K: gl.constexpr,
-    V: gl.constexpr,
-    C: gl.constexpr,
-    BC: gl.constexpr,
-    MR: gl.constexpr,
-    LS: gl.constexpr,
-    LB: gl.constexpr,
-    LF: gl.constexpr,
-    L1: gl.constexpr,
-    SKETCH_OUT: gl.constexpr,
-    VB: gl.constexpr,
-):
+    state, buf_k, buf_w, buf_decay, buf_beta, m, frames, item, s, n, s_smem, k_smem, a_smem, w_smem, b_smem,
+    r_smem, H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, C: gl.constexpr, BC: gl.constexpr,
+    MR: gl.constexpr, LS: gl.constexpr, LB: gl.constexpr, LF: gl.constexpr, L1: gl.constexpr,
+    SKETCH_OUT: gl.constexpr, VB: gl.constexpr,
+):  # fmt: skip
     """Start the copies of work item ``item`` (value columns ``VB · (item % (V / VB))`` onwards of a
     head item; slot ``s``, ``n`` buffered tokens) into shared memory: its state tile [K, VB] fp32,
     buffered keys [BC, K] bf16, decays [BC, K] fp32, values [BC, VB] bf16 and betas [BC] fp32 (rows
@@ -122,38 +150,19 @@ def _issue(
     i_h = (item // NV) % H
     live = s >= 0
     _issue_window(
-        state,
-        buf_k,
-        buf_w,
-        buf_decay,
-        item // NV,
-        s,
-        n,
-        s_smem,
-        k_smem,
-        w_smem,
-        a_smem,
-        (item % NV) * VB,
-        H,
-        K,
-        V,
-        C,
-        BC,
-        LS,
-        LB,
-        LF,
-        VB,
-    )
+        state, buf_k, buf_w, buf_decay, item // NV, s, n, s_smem, k_smem, w_smem, a_smem, (item % NV) * VB, H,
+        K, V, C, BC, LS, LB, LF, VB,
+    )  # fmt: skip
     # the betas read in the coefficients' layout: a copy instead of a layout conversion (two barriers)
     o_b = gl.arange(0, BC, L1)
     hb = (gl.where(live, s, 0).to(gl.int64) * H + i_h) * C
-    _async_load(b_smem, buf_beta + hb + o_b, o_b < gl.where(live, n, 0))
+    async_load(b_smem, buf_beta + hb + o_b, o_b < gl.where(live, n, 0))
     if SKETCH_OUT:
         m = gl.where(live, m, 0)
         o_kf = gl.arange(0, K, gl.SliceLayout(0, LF))
         o_r = gl.arange(0, MR, gl.SliceLayout(1, LF))
         m_r = (o_r[:, None] < m) & (o_kf[None, :] < K)
-        _async_load(r_smem, frames + i_h * (K * K) + (o_r[:, None] * K + o_kf[None, :]), m_r)
+        async_load(r_smem, frames + i_h * (K * K) + (o_r[:, None] * K + o_kf[None, :]), m_r)
     async_copy.commit_group()
 
 
@@ -169,24 +178,9 @@ def _take_item(w_smem, r_smem, w_cur, r_cur, LB: gl.constexpr, LF: gl.constexpr,
 
 @gluon.jit
 def _coefficients(
-    a_smem,
-    k_smem,
-    w_smem,
-    r_smem,
-    b_smem,
-    n,
-    dot_smem,
-    upd_smem,
-    scale_smem,
-    w_cur,
-    r_cur,
-    K: gl.constexpr,
-    BC: gl.constexpr,
-    LD: gl.constexpr,
-    LB: gl.constexpr,
-    LF: gl.constexpr,
-    SKETCH_OUT: gl.constexpr,
-):
+    a_smem, k_smem, w_smem, r_smem, b_smem, n, dot_smem, upd_smem, scale_smem, w_cur, r_cur, K: gl.constexpr,
+    BC: gl.constexpr, LD: gl.constexpr, LB: gl.constexpr, LF: gl.constexpr, SKETCH_OUT: gl.constexpr,
+):  # fmt: skip
     """One head's per-token coefficient rows [BC, K] (``dot_smem``, ``upd_smem``) and final scale
     [K] (``scale_smem``) from its buffered decays, keys and betas [BC] (shared memory):
     ``β_j c_j ⊙ k_j``, ``k_j / c_j`` and ``c_{n−1}`` when every running product lies in
@@ -198,7 +192,7 @@ def _coefficients(
     o_c = gl.arange(0, BC, gl.SliceLayout(1, LD))
     al = gl.where(o_c[:, None] < n, a_smem.load(LD), 1.0)
     kf = k_smem.load(LD).to(gl.float32)
-    c = gl.associative_scan(al, 0, _mul)
+    c = gl.associative_scan(al, 0, mul)
     bad = gl.max(gl.max(gl.where((c >= TINY) & (c <= HUGE), 0, 1), axis=0), axis=0)
     fast = bad == 0
     if fast:
@@ -222,47 +216,19 @@ def _nth_item(pid, progs, t, n_mine, n_items, NV: gl.constexpr):
 
 @gluon.jit
 def _flush_kda_sweep_kernel(
-    state,
-    slots,
-    pos,
-    q,
-    k,
-    w,
-    decay,
-    beta,
-    skip,
-    out,
-    buf_k,
-    buf_w,
-    buf_decay,
-    buf_beta,
-    rd,
-    read_rows,
-    sk,
-    ranks,
-    frames,
-    sk_head_stride,
-    frame_terms,
-    n_items,
-    H: gl.constexpr,
-    K: gl.constexpr,
-    V: gl.constexpr,
-    C: gl.constexpr,
-    BC: gl.constexpr,
-    MR: gl.constexpr,
-    HAS_X: gl.constexpr,
-    HAS_SKIP: gl.constexpr,
-    HAS_READ: gl.constexpr,
-    ROWS: gl.constexpr,
-    SKETCH_OUT: gl.constexpr,
-    VB: gl.constexpr,
-):
-    """The flush over ``n_items`` work items (see the module docstring); the arguments are the
-    chunked flush's (the sketch reads R from ``frames`` [H, K, K] fp32), then ``frame_terms``
-    (unused) and the item count. A work item is ``VB`` value columns of one head (item = (batch row
-    × H + head) × V / VB + part), 16 or 8 per warp; BC is 16; K a multiple of 32; the first MR (a
-    multiple of 4) rows of each head's frame are copied with its tiles, further rows MR at a time into
-    the same buffer as the sketch rows need them."""
+    state, slots, pos, q, k, w, decay, beta, skip, out, buf_k, buf_w, buf_decay, buf_beta,  # flush_arguments
+    rd, read_rows, sk, ranks, frames, sk_head_stride,
+    frame_terms, n_items,
+    H: gl.constexpr, K: gl.constexpr, V: gl.constexpr, C: gl.constexpr, BC: gl.constexpr,
+    MR: gl.constexpr, VB: gl.constexpr, HAS_X: gl.constexpr, HAS_SKIP: gl.constexpr, HAS_READ: gl.constexpr,
+    ROWS: gl.constexpr, SKETCH_OUT: gl.constexpr,
+):  # fmt: skip
+    """The flush over ``n_items`` work items (see the module docstring); the arguments are every
+    flush's (``common.flush.flush_arguments``; the sketch reads R from ``frames`` [H, K, K] fp32),
+    then ``frame_terms`` (unused) and the item count. A work item is ``VB`` value columns of one
+    head (item = (batch row × H + head) × V / VB + part), 16 or 8 per warp; BC is 16; K a multiple
+    of 32; the first MR (a multiple of 4) rows of each head's frame are copied with its tiles,
+    further rows MR at a time into the same buffer as the sketch rows need them."""
     WARPS: gl.constexpr = gl.num_warps()
     CW: gl.constexpr = VB // WARPS  # value columns per warp: 16 or 8
     NV: gl.constexpr = V // VB  # items per head
@@ -318,157 +284,51 @@ def _flush_kda_sweep_kernel(
     # coefficient rows it builds for the first serve the rest (the same keys, decays and betas)
     n_mine = ((n_items // NV - pid + progs - 1) // progs) * NV  # this program's items
     item = _nth_item(pid, progs, 0, n_mine, n_items, NV)
-    s_c, n_c = _entry(slots, pos, item, n_items, HV)
-    m_c, r_c = _head_flags(ranks, read_rows, item // NV, H, SKETCH_OUT, ROWS)
+    s_c, n_c = work_item(slots, pos, item, n_items, HV)
+    m_c, r_c = head_flags(ranks, read_rows, item // NV, H, SKETCH_OUT, ROWS)
     _issue(
-        state,
-        buf_k,
-        buf_w,
-        buf_decay,
-        buf_beta,
-        m_c,
-        frames,
-        item,
-        s_c,
-        n_c,
-        s_smem,
-        k_smem,
-        a_smem,
-        w_smem,
-        b_smem,
-        r_smem,
-        H,
-        K,
-        V,
-        C,
-        BC,
-        MR,
-        LS,
-        LB,
-        LF,
-        L1,
-        SKETCH_OUT,
-        VB,
-    )
+        state, buf_k, buf_w, buf_decay, buf_beta, m_c, frames, item, s_c, n_c, s_smem, k_smem, a_smem, w_smem,
+        b_smem, r_smem, H, K, V, C, BC, MR, LS, LB, LF, L1, SKETCH_OUT, VB,
+    )  # fmt: skip
     item_c = gl.where(item < n_items, item, 0)
     _, kk, qq, dd, ww, sw, bx = _small_inputs(
-        k,
-        q,
-        w,
-        decay,
-        beta,
-        skip,
-        buf_beta,
-        item_c // NV,
-        s_c,
-        n_c,
-        (item_c % NV) * VB,
-        H,
-        K,
-        V,
-        C,
-        BC,
-        L1,
-        L1,
-        HAS_X,
-        HAS_SKIP,
-        VB,
-    )
+        k, q, w, decay, beta, skip, buf_beta, item_c // NV, s_c, n_c, (item_c % NV) * VB, H, K, V, C, BC, L1,
+        L1, HAS_X, HAS_SKIP, VB,
+    )  # fmt: skip
     nxt = _nth_item(pid, progs, 1, n_mine, n_items, NV)
-    s_n, n_n = _entry(slots, pos, nxt, n_items, HV)
-    m_n, r_n = _head_flags(ranks, read_rows, nxt // NV, H, SKETCH_OUT, ROWS)
+    s_n, n_n = work_item(slots, pos, nxt, n_items, HV)
+    m_n, r_n = head_flags(ranks, read_rows, nxt // NV, H, SKETCH_OUT, ROWS)
     fast = n_mine < 0  # (set by each head's first item)
     for t in range(0, n_mine):
         i_b = item // HV
         i_h = (item // NV) % H
         v0 = (item % NV) * VB  # the item's first value column
         # the loads for the items ahead, issued first: the compiler moves the scalars among them into
-        # uniform registers at the next branch, which waits for them (run 87: at the end of the
-        # item's start, ~6% of the kernel's warp samples)
+        # uniform registers at the next branch, which waits for them
         nxt_c = gl.where(nxt < n_items, nxt, 0)
         _, kk_n, qq_n, dd_n, ww_n, sw_n, bx_n = _small_inputs(
-            k,
-            q,
-            w,
-            decay,
-            beta,
-            skip,
-            buf_beta,
-            nxt_c // NV,
-            s_n,
-            n_n,
-            (nxt_c % NV) * VB,
-            H,
-            K,
-            V,
-            C,
-            BC,
-            L1,
-            L1,
-            HAS_X,
-            HAS_SKIP,
-            VB,
-        )
+            k, q, w, decay, beta, skip, buf_beta, nxt_c // NV, s_n, n_n, (nxt_c % NV) * VB, H, K, V, C, BC,
+            L1, L1, HAS_X, HAS_SKIP, VB,
+        )  # fmt: skip
         nxt2 = _nth_item(pid, progs, t + 2, n_mine, n_items, NV)
-        s_nn, n_nn = _entry(slots, pos, nxt2, n_items, HV)
-        m_nn, r_nn = _head_flags(ranks, read_rows, nxt2 // NV, H, SKETCH_OUT, ROWS)
+        s_nn, n_nn = work_item(slots, pos, nxt2, n_items, HV)
+        m_nn, r_nn = head_flags(ranks, read_rows, nxt2 // NV, H, SKETCH_OUT, ROWS)
         async_copy.wait_group(0)
-        _barrier()  # (also: every thread is past the previous item's sweep)
+        barrier()  # (also: every thread is past the previous item's sweep)
         if t % NV == 0:  # a head's first item: its coefficient rows
             fast = _coefficients(
-                a_smem,
-                k_smem,
-                w_smem,
-                r_smem,
-                b_smem,
-                n_c,
-                dot_smem,
-                upd_smem,
-                scale_smem,
-                w_cur,
-                r_cur,
-                K,
-                BC,
-                LD,
-                LB,
-                LF,
-                SKETCH_OUT,
-            )
+                a_smem, k_smem, w_smem, r_smem, b_smem, n_c, dot_smem, upd_smem, scale_smem, w_cur, r_cur, K,
+                BC, LD, LB, LF, SKETCH_OUT,
+            )  # fmt: skip
         else:  # the head's rows are still in place: this item's values (and frame rows) only
             _take_item(w_smem, r_smem, w_cur, r_cur, LB, LF, SKETCH_OUT)
         S = s_smem.load(LT)
-        _barrier()
+        barrier()
         # the next head's copies run while this one is swept and stored
         _issue(
-            state,
-            buf_k,
-            buf_w,
-            buf_decay,
-            buf_beta,
-            m_n,
-            frames,
-            nxt,
-            s_n,
-            n_n,
-            s_smem,
-            k_smem,
-            a_smem,
-            w_smem,
-            b_smem,
-            r_smem,
-            H,
-            K,
-            V,
-            C,
-            BC,
-            MR,
-            LS,
-            LB,
-            LF,
-            L1,
-            SKETCH_OUT,
-            VB,
-        )
+            state, buf_k, buf_w, buf_decay, buf_beta, m_n, frames, nxt, s_n, n_n, s_smem, k_smem, a_smem,
+            w_smem, b_smem, r_smem, H, K, V, C, BC, MR, LS, LB, LF, L1, SKETCH_OUT, VB,
+        )  # fmt: skip
         if s_c >= 0:
             head = s_c.to(gl.int64) * H + i_h
             if fast:
@@ -501,7 +361,7 @@ def _flush_kda_sweep_kernel(
             else:
                 S = S * f[:, None]
             base = head * (K * V) + v0
-            _store_state(S, state + base, rd + base, r_c, offs, HAS_READ, ROWS)
+            store_state(S, state + base, rd + base, r_c, offs, HAS_READ, ROWS)
             if SKETCH_OUT:
                 # R_{:m} S on the FMA units (fp32 products), four rows of R at a time (four independent
                 # reductions), MR rows at a time from shared memory: the first MR copied with the
@@ -514,12 +374,12 @@ def _flush_kda_sweep_kernel(
                 o_kf = gl.arange(0, K, gl.SliceLayout(0, LF))
                 for r0 in range(0, m, MR):
                     if r0 > 0:
-                        _barrier()  # every warp is done with the rows before r0
+                        barrier()  # every warp is done with the rows before r0
                         m_r = ((r0 + o_rf)[:, None] < m) & (o_kf[None, :] < K)
-                        _async_load(r_cur, fr + ((r0 + o_rf)[:, None] * K + o_kf[None, :]), m_r)
+                        async_load(r_cur, fr + ((r0 + o_rf)[:, None] * K + o_kf[None, :]), m_r)
                         async_copy.commit_group()
                         async_copy.wait_group(0)  # (the next item's copies, issued long before, too)
-                        _barrier()
+                        barrier()
                     for r in range(r0, gl.minimum(m, r0 + MR), 4):
                         for i in gl.static_range(4):
                             rr = r_rows.index(r - r0 + i).permute([1, 0]).load(LT)
@@ -580,10 +440,31 @@ def frame_rows(per_sm: int, key_dim: int, value_cols: int) -> int:
     return 16 if fits else 8
 
 
-def launch(args: tuple, frame_terms: torch.Tensor, **options) -> None:
-    """Launch this module's kernel (``flush_pipelined.launch_persistent``'s options; constexprs H, K,
-    V, C, HAS_X, HAS_SKIP, HAS_READ, ROWS, SKETCH_OUT and VB, the value columns of a work item; BC
-    is 16, MR from :func:`frame_rows`): V / VB work items per head."""
-    mr = frame_rows(options["per_sm"], options["K"], options["VB"])
-    parts = options["V"] // options["VB"]
-    launch_persistent(_flush_kda_sweep_kernel, args, frame_terms, BC=16, MR=mr, parts=parts, **options)
+def launch(
+    family: str, pool: DecodePool, tables: SketchTables | None, slots: Tensor, pos: Tensor,
+    x: StepInputs | None, out: Tensor | None, cfg,
+) -> None:  # fmt: skip
+    """:func:`_flush_kda_sweep_kernel` on ``cfg.per_sm`` programs per SM over V / VB work items per
+    head (VB = ``cfg.block_v`` clipped to V; BC is 16, MR from :func:`frame_rows`), for a checked
+    KDA window pool (and new token) that :func:`usable` takes, with bf16 buffered inputs on a CUDA
+    device."""
+    kd, vd = pool.state.shape[2:]
+    vb = clip_block_v(cfg.block_v, vd)
+    launch_persistent(
+        _flush_kda_sweep_kernel,
+        flush_arguments(pool, tables, slots, pos, x, out),
+        pool.buf_decay,  # frame_terms: not read
+        H=pool.heads,
+        K=kd,
+        V=vd,
+        C=pool.capacity,
+        **flush_flags(pool, tables, x),
+        VB=vb,
+        BC=16,
+        MR=frame_rows(cfg.per_sm, kd, vb),
+        parts=vd // vb,
+        batch=slots.shape[0],
+        per_sm=cfg.per_sm,
+        num_warps=cfg.num_warps,
+        maxnreg=cfg.maxnreg,
+    )

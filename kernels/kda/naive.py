@@ -6,12 +6,8 @@
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 from torch import Tensor
-
-from sketchcal.kernels.common import reference as _reference
 
 
 class KimiDeltaAttention:
@@ -33,10 +29,3 @@ class KimiDeltaAttention:
 
 
 FAMILY = KimiDeltaAttention()
-
-# Serving-API references over a slot pool (``common/reference.py``), bound to this family.
-standard_step = partial(_reference.standard_step, FAMILY.name)
-replay_step = partial(_reference.replay_step, FAMILY.name)
-sketch_step = partial(_reference.sketch_step, FAMILY.name)
-flush = partial(_reference.flush, FAMILY.name)
-spec_verify = partial(_reference.spec_verify, FAMILY.name)

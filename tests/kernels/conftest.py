@@ -1,7 +1,7 @@
 """Kernel tests run the Triton kernels through the interpreter when no CUDA device is present.
 
 ``TRITON_INTERPRET`` is read when a kernel is decorated, so it is set here, before any test
-module imports ``sketchcal.kernels.common.decode``.
+module imports a kernel module (``sketchcal.kernels.dispatch`` and the modules it runs).
 """
 
 import os

@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from sketchcal.errors import SketchcalError
-from sketchcal.kernels import bench
-from sketchcal.kernels.common import decode
-from sketchcal.kernels.common.decode import KernelConfig
+from sketchcal.kernels import bench, dispatch
+from sketchcal.kernels.dispatch import KernelConfig
 
 V = 32
 
@@ -58,7 +57,7 @@ def test_candidates_tune_only_the_kernels_named():
     """``candidates`` replaces the tuning lists: only the named kernel is tuned, among exactly the
     shapes given; the others keep their defaults."""
     shape = bench.ModelShape("tiny", heads=2, groups=1, key_dim=16, value_dim=V)
-    given = [bench.parse_config("16,1,sweep,vec=2"), bench.parse_config("16,1,chunked")]
+    given = [bench.parse_config("sweep,16,1,vec=2"), bench.parse_config("sweep,16,1,prefetch")]
     r = bench.run_bench(
         "gdn",
         2,
@@ -75,10 +74,10 @@ def test_candidates_tune_only_the_kernels_named():
     assert set(r["tuning"]) == {"flush_sketch"}
     fields = tuple(f.name for f in dataclass_fields(KernelConfig))
     assert {tuple(t[f] for f in fields) for t in r["tuning"]["flush_sketch"]} == _distinct(given)
-    assert r["configs"]["sketch"] == asdict(decode.default_config("sketch", "gdn"))
+    assert r["configs"]["sketch"] == asdict(dispatch.default_config("sketch", "gdn"))
 
 
-@pytest.mark.parametrize("candidates", [{"flush": [KernelConfig(16, 1)]}, {"sketch": []}])
+@pytest.mark.parametrize("candidates", [{"flush": [KernelConfig("sweep", 16, 1)]}, {"sketch": []}])
 def test_bad_candidates_are_one_clear_error(candidates):
     with pytest.raises(SketchcalError, match="candidates"):
         bench.run_bench("gdn", 2, tune=True, candidates=candidates, _cpu_dry_run=True)
@@ -87,21 +86,43 @@ def test_bad_candidates_are_one_clear_error(candidates):
 @pytest.mark.parametrize(
     ("text", "want"),
     [
-        ("16,1,sweep,vec=2", KernelConfig(16, 1, chunked=False, vec=2)),
-        ("64,4,cap=128", KernelConfig(64, 4, maxnreg=128)),
+        ("sweep,16,1,vec=2", KernelConfig("sweep", 16, 1, vec=2)),
+        ("chunk,64,4,cap=128", KernelConfig("chunk", 64, 4, maxnreg=128)),
         (
-            "128,1,sweep,cap=64,group=2,rows=16,late_map",
-            KernelConfig(128, 1, chunked=False, maxnreg=64, group=2, dense_rows=16, early_map=False),
+            "read,128,1,cap=64,group=2,rows=16,late_map",
+            KernelConfig("read", 128, 1, maxnreg=64, group=2, dense_rows=16, early_map=False),
         ),
-        ("16,1,sweep,vec=2,prefetch", KernelConfig(16, 1, chunked=False, vec=2, prefetch=True)),
-        ("64,4,pipe=2,cap=168", KernelConfig(64, 4, pipelined=2, maxnreg=168)),
+        ("sweep,16,1,vec=2,prefetch", KernelConfig("sweep", 16, 1, vec=2, prefetch=True)),
+        ("gluon_sweep,64,4,per_sm=2,cap=168", KernelConfig("gluon_sweep", 64, 4, per_sm=2, maxnreg=168)),
+        (
+            "split_read,64,1,coef_warps=2,heads=4,dots=0",
+            KernelConfig("split_read", 64, 1, coef_warps=2, heads=4, dots=0),
+        ),
     ],
 )
 def test_parse_config(text, want):
     assert bench.parse_config(text) == want
 
 
-@pytest.mark.parametrize("text", ["16", "16,1,bogus", "16,1,sweep,chunked", "16,1,foo=3", "x,1", "48,1"])
+def test_short_form_round_trips_every_candidate():
+    shapes = [c for kinds in bench.TUNE_CANDIDATES.values() for cands in kinds.values() for c in cands]
+    shapes += [*bench.SPLIT_SHAPES, *dispatch.DEFAULT_CONFIGS.values(), *dispatch.FP8_CONFIGS.values()]
+    for cfg in shapes:
+        assert bench.parse_config(bench.short_form(cfg)) == cfg
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "sweep,16",
+        "sweep,16,1,bogus",
+        "bogus,16,1",
+        "16,1,sweep",
+        "sweep,16,1,foo=3",
+        "sweep,x,1",
+        "sweep,48,1",
+    ],
+)
 def test_bad_launch_shape_text_is_one_clear_error(text):
     with pytest.raises(SketchcalError, match="launch shape"):
         bench.parse_config(text)
@@ -193,15 +214,15 @@ def test_split_sketch_read_dry_run():
     coefficients, and the dots unless the head kernel computes them (``dots=0``)."""
     shape = bench.ModelShape("tiny", heads=8, groups=2, key_dim=16, value_dim=V)
     kw = dict(rank=4, window=3, pools=1, shape=shape, anchor=False, replays=1, _cpu_dry_run=True)
-    split = KernelConfig(16, 1, chunked=False, split=1, heads=4, dots=1)
-    one_kernel = replace(decode.default_config("sketch", "mamba2"), split=0)
+    split = KernelConfig("split_read", 16, 1, heads=4, dots=1)
+    one_kernel = replace(dispatch.default_config("sketch", "mamba2"), form="read")
     one = bench.run_bench("mamba2", 2, configs={"sketch": one_kernel}, **kw)["ops"]["sketch_step"]["bytes"]
     coefficients = sum(bench.rank_spread(8, 4, 16))
     # batch 2 × (written + read) 4-byte values: Σ m coefficients, and 2 groups × (p + 1) dots
     # (p = 0, 1: 1.5 on average)
     for dots, values in ((1, 2 * 1.5 + coefficients), (0, coefficients)):
         r = bench.run_bench("mamba2", 2, configs={"sketch": replace(split, dots=dots)}, **kw)
-        assert (r["configs"]["sketch"]["split"], r["configs"]["sketch"]["dots"]) == (1, dots)
+        assert (r["configs"]["sketch"]["form"], r["configs"]["sketch"]["dots"]) == ("split_read", dots)
         assert r["ops"]["sketch_step"]["bytes"] - one == 2 * 2 * 4 * values
 
 
@@ -256,11 +277,13 @@ def test_fp8_pools_take_the_shapes_tuned_for_fp8():
     """An fp8 read copy gets ``FP8_CONFIGS`` where there is one, the bf16 defaults elsewhere; the
     benchmark reports the shapes the kernels will use."""
     fp8 = bench.READ_DTYPES["fp8"]
-    assert decode.FP8_CONFIGS, "nothing tuned for fp8"
-    for (kernel, family), cfg in decode.FP8_CONFIGS.items():
-        assert cfg != decode.DEFAULT_CONFIGS[(kernel, family)]
-        assert decode.default_config(kernel, family, fp8) == cfg
+    assert dispatch.FP8_CONFIGS, "nothing tuned for fp8"
+    for (kernel, family), cfg in dispatch.FP8_CONFIGS.items():
+        assert cfg != dispatch.DEFAULT_CONFIGS[(kernel, family)]
+        assert dispatch.default_config(kernel, family, fp8) == cfg
         for other in (None, torch.bfloat16, torch.float32):
-            assert decode.default_config(kernel, family, other) == decode.DEFAULT_CONFIGS[(kernel, family)]
+            assert (
+                dispatch.default_config(kernel, family, other) == dispatch.DEFAULT_CONFIGS[(kernel, family)]
+            )
         assert bench._configs(family, None, fp8)[kernel] == cfg
-    assert bench._configs("gdn", None, fp8)["sketch"] == decode.DEFAULT_CONFIGS[("sketch", "gdn")]
+    assert bench._configs("gdn", None, fp8)["sketch"] == dispatch.DEFAULT_CONFIGS[("sketch", "gdn")]

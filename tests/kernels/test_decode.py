@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sketchcal.kernels.common import decode
+from sketchcal.kernels import dispatch
 from sketchcal.kernels.common import reference as ref
 from sketchcal.kernels.common.pool import SketchTables, random_sketch, rank_spread
 from sketchcal.kernels.common.testing import random_inputs, random_pool
@@ -90,15 +90,17 @@ def run_case(
     out = torch.full((b, tokens, h, vd), float("nan"), dtype=dtype, device=device)
     before, want_pool = pool.clone(), pool.clone()
     if op == "standard":
-        got = decode.standard_step(family, pool, slots, x, out)
+        got = dispatch.standard_step(family, pool, slots, x, out)
         want = ref.standard_step(family, want_pool, slots, x)
     elif op in ("replay", "sketch", "spec", "spec_sketch"):
-        got = decode.spec_verify(
+        got = dispatch.spec_verify(
             family, pool, slots, pos, x, out, tables=tables if sketch else None, config=config
         )
         want = ref.spec_verify(family, want_pool, slots, pos, x, tables if sketch else None)
     else:
-        got = decode.flush(family, pool, slots, pos, x, out, tables=tables if sketch else None, config=config)
+        got = dispatch.flush(
+            family, pool, slots, pos, x, out, tables=tables if sketch else None, config=config
+        )
         want = ref.flush(family, want_pool, slots, pos, x, tables if sketch else None)
     assert got is out
     live = slots >= 0
@@ -137,23 +139,20 @@ def test_fp8_reads_cpu(family, op):
     run_case(family, op, CPU_SHAPES[family][0], "fp8", "cpu", seed=8)
 
 
-@pytest.mark.parametrize("op", ["replay", "sketch", "flush", "flush_sketch"])
-@pytest.mark.parametrize("family", ["gdn", "kda", "mamba2"])
-def test_other_form_cpu(family, op):
-    """The form each kernel does not use by default (``KernelConfig.chunked`` flipped): closed
-    form vs token-by-token sweep over the buffer. They are tuning candidates (KDA's read is
-    always a sweep)."""
-    kernel = {"flush": "flush_replay"}.get(op, op)
-    chunked = not decode.default_config(kernel, family).chunked
-    config = decode.KernelConfig(32 if chunked else 16, 4 if chunked else 1, chunked=chunked)
-    run_case(family, op, CPU_SHAPES[family][1], "fp32", "cpu", seed=4, config=config)
+@pytest.mark.parametrize("op", ["flush", "flush_sketch"])
+def test_mamba2_sweep_flush_cpu(op):
+    """Mamba-2's flush token by token (the ``sweep`` form, a tuning candidate; its default is the
+    chunked fold)."""
+    config = dispatch.KernelConfig("sweep", 16, 1)
+    run_case("mamba2", op, CPU_SHAPES["mamba2"][1], "fp32", "cpu", seed=4, config=config)
 
 
 @pytest.mark.parametrize("op", ["sketch", "flush_sketch"])
 def test_register_cap_cpu(op):
     """A register cap (``KernelConfig.maxnreg``, a tuning candidate) reaches the launch; the
     interpreter ignores it, the ``gpu`` tests check the capped builds at the real shapes."""
-    config = decode.KernelConfig(16, 1, chunked=False, maxnreg=96)
+    form = "sweep" if op.startswith("flush") else "read"
+    config = dispatch.KernelConfig(form, 16, 1, maxnreg=96)
     run_case("gdn", op, CPU_SHAPES["gdn"][0], "fp32", "cpu", seed=5, config=config)
 
 
@@ -164,7 +163,7 @@ def test_grouped_read_sweep_cpu(family, op, group):
     """The read's sweep over the live tokens only, ``group`` per rolled iteration
     (``KernelConfig.group``): buffers of 0..capacity tokens, so groups end early, fill up and
     run past token 0."""
-    config = decode.KernelConfig(16, 1, chunked=False, group=group)
+    config = dispatch.KernelConfig("read", 16, 1, group=group)
     run_case(family, op, CPU_SHAPES[family][1], "fp32", "cpu", seed=6 + group, config=config)
 
 
@@ -174,7 +173,7 @@ def test_grouped_read_sweep_cpu(family, op, group):
 def test_map_rows_early_or_late_cpu(family, op, early_map):
     """The first 8 coefficient-map rows loaded before the buffer sweep or after it
     (``KernelConfig.early_map``); ranks up to 12 need a second chunk of rows either way."""
-    config = decode.KernelConfig(16, 1, chunked=False, early_map=early_map, dense_rows=16)
+    config = dispatch.KernelConfig("read", 16, 1, early_map=early_map, dense_rows=16)
     run_case(family, op, CPU_SHAPES[family][0], "fp32", "cpu", seed=12, config=config)
 
 
@@ -182,11 +181,11 @@ def test_map_rows_early_or_late_cpu(family, op, early_map):
 @pytest.mark.parametrize("dtype", [*DTYPES, "fp8"])
 @pytest.mark.parametrize("shape_id", [0, 1])
 def test_split_sketch_read_cpu(shape_id, dtype, heads, dots):
-    """Mamba-2's sketch step as two kernels (``KernelConfig.split``: the group's dots, ``dots``
+    """Mamba-2's sketch step as two kernels (the ``split_read`` form: the group's dots, ``dots``
     key groups per program (0: in the second kernel), and coefficients, then each head's sum,
     ``heads`` heads per program), ranks 0 (dense), 4, 8 and 12 (a second chunk of rows), buffers
     of 0..capacity − 1 tokens."""
-    config = decode.KernelConfig(16, 1, chunked=False, split=1, heads=heads, dots=dots, dense_rows=8)
+    config = dispatch.KernelConfig("split_read", 16, 1, coef_warps=1, heads=heads, dots=dots, dense_rows=8)
     shape = CPU_SHAPES["mamba2"][shape_id]
     run_case("mamba2", "sketch", shape, dtype, "cpu", seed=20 + shape_id, config=config)
 
@@ -198,7 +197,7 @@ def test_split_sketch_read_many_entries_cpu(dots):
     head kernel, the coefficient programs appending the keys), two programs per head (BV = V / 2),
     buffers up to full: outputs and buffers against the reference, and the slots not addressed
     untouched."""
-    from sketchcal.kernels.common import read_split
+    from sketchcal.kernels.mamba2 import read_split
 
     h, g, kd, vd = 8, 2, 16, 16
     gen = torch.Generator().manual_seed(25)
@@ -214,8 +213,8 @@ def test_split_sketch_read_many_entries_cpu(dots):
     pos = torch.randint(0, cap, (b,), generator=gen, dtype=torch.int32)
     out = torch.full((b, 1, h, vd), float("nan"), dtype=torch.bfloat16)
     before, want_pool = pool.clone(), pool.clone()
-    config = decode.KernelConfig(vd // 2, 1, chunked=False, split=1, heads=2, dots=dots)
-    decode.sketch_step("mamba2", pool, tables, slots, pos, x, out, config=config)
+    config = dispatch.KernelConfig("split_read", vd // 2, 1, heads=2, dots=dots)
+    dispatch.sketch_step("mamba2", pool, tables, slots, pos, x, out, config=config)
     want = ref.spec_verify("mamba2", want_pool, slots, pos, x, tables)
     live = slots >= 0
     assert torch.isnan(out[~live].float()).all()
@@ -230,18 +229,18 @@ def test_split_sketch_read_many_entries_cpu(dots):
 def test_split_heads_and_dots_clipped_to_the_groups_cpu(shape):
     """``heads`` = 4 and ``dots`` = 2 on groups they do not divide (2 heads per group; 3 groups)
     run as the largest power of two that does, and give the reference's outputs."""
-    config = decode.KernelConfig(16, 1, chunked=False, split=1, heads=4, dots=2, dense_rows=8)
+    config = dispatch.KernelConfig("split_read", 16, 1, heads=4, dots=2, dense_rows=8)
     run_case("mamba2", "sketch", shape, "bf16", "cpu", seed=26, config=config)
 
 
 def test_split_sketch_read_falls_back_to_one_kernel(monkeypatch):
     """Where the split read cannot run (several tokens, a pool without a workspace) the one-kernel
     read runs instead, and gives the reference's outputs."""
-    from sketchcal.kernels.common import read_split
+    from sketchcal.kernels.mamba2 import read_split
 
     calls = []
     monkeypatch.setattr(read_split, "launch", lambda *a, **k: calls.append(a))
-    config = decode.KernelConfig(16, 1, chunked=False, split=1)
+    config = dispatch.KernelConfig("split_read", 16, 1)
     run_case("mamba2", "spec_sketch", CPU_SHAPES["mamba2"][0], "bf16", "cpu", seed=23, config=config)
     assert not calls
     h, g, kd, vd = CPU_SHAPES["mamba2"][0]
@@ -253,14 +252,14 @@ def test_split_sketch_read_falls_back_to_one_kernel(monkeypatch):
     slots, pos = torch.tensor([2, 0], dtype=torch.int32), torch.tensor([3, 1], dtype=torch.int32)
     x = random_inputs("mamba2", 2, 1, h, g, kd, vd, generator=gen)
     want = ref.spec_verify("mamba2", pool.clone(), slots, pos, x, tables)
-    got = decode.sketch_step("mamba2", pool, tables, slots, pos, x, config=config)
+    got = dispatch.sketch_step("mamba2", pool, tables, slots, pos, x, config=config)
     assert not calls and _rel(got, want) <= 1e-2
 
 
 def test_default_mamba2_sketch_step_is_the_split_read(monkeypatch):
     """Mamba-2's default sketch step of one token takes the split read (the default launch shape has
-    ``split`` set, and the pool its workspace); ``spec_verify`` keeps the one-kernel read."""
-    from sketchcal.kernels.common import read_split
+    the ``split_read`` form, and the pool its workspace); ``spec_verify`` keeps the one-kernel read."""
+    from sketchcal.kernels.mamba2 import read_split
 
     calls = []
     real = read_split.launch
@@ -300,15 +299,14 @@ def test_packed_group_maps_hold_each_heads_rows():
 @pytest.mark.parametrize(
     ("family", "config"),
     [
-        ("mamba2", decode.default_config("flush_sketch", "mamba2")),
-        ("mamba2", decode.KernelConfig(64, 4)),
-        ("gdn", decode.KernelConfig(64, 4)),
+        ("mamba2", dispatch.default_config("flush_sketch", "mamba2")),
+        ("mamba2", dispatch.KernelConfig("chunk", 64, 4)),
     ],
-    ids=["mamba2-gluon", "mamba2-chunked", "gdn-chunked"],
+    ids=["mamba2-gluon", "mamba2-chunked"],
 )
 def test_tensor_core_flush_sketches_the_bf16_state_gpu(family, config):
     """A bf16 sketch from the tensor-core flushes (Mamba-2's Gluon default, the chunked one) is
-    ``decode.sketch_terms``'s: R_{:m} (two bf16 terms) times the folded state rounded to bf16.
+    ``flush_chunk.sketch_terms``'s: R_{:m} (two bf16 terms) times the folded state rounded to bf16.
     Against that definition, computed in float64 from the reference's folded state, only values
     at a rounding boundary differ (by their last bit); against the exact sketch (the
     reference's) every value carries the state's rounding too. Real shape, ranks 4-24 (a second
@@ -326,7 +324,7 @@ def test_tensor_core_flush_sketches_the_bf16_state_gpu(family, config):
     x = random_inputs(family, 3, 1, h, g, kd, vd, device="cuda", generator=gen)
     want = pool.clone()
     ref.flush(family, want, slots, pos, x, tables)
-    decode.flush(family, pool, slots, pos, x, torch.empty_like(x.w), tables=tables, config=config)
+    dispatch.flush(family, pool, slots, pos, x, torch.empty_like(x.w), tables=tables, config=config)
     got, exact, defined = [], [], []
     for s in slots.long().tolist():
         for head, m in enumerate(ranks):
@@ -363,7 +361,7 @@ def test_frame_terms_sum_to_the_frames(kd):
 def test_dense_read_by_rows_cpu(family, op, rows):
     """A dense head's read copy read ``dense_rows`` rows at a time (each block's share of the
     query gathered from registers) or whole: several blocks per head at K = 32."""
-    config = decode.KernelConfig(16, 1, chunked=False, dense_rows=rows)
+    config = dispatch.KernelConfig("read", 16, 1, dense_rows=rows)
     run_case(family, op, CPU_SHAPES[family][1], "fp32", "cpu", seed=9, config=config)
 
 
@@ -372,28 +370,29 @@ def test_dense_read_by_rows_cpu(family, op, rows):
 def test_narrow_sweep_flush_cpu(family, op):
     """The token-by-token flush on tiles of 8 value columns (fewer registers; the chunked form
     needs 16 for its dots)."""
-    config = decode.KernelConfig(8, 1, chunked=False, vec=2)
+    config = dispatch.KernelConfig("sweep", 8, 1, vec=2)
     run_case(family, op, CPU_SHAPES[family][1], "fp32", "cpu", seed=10, config=config)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize(("block_v", "warps"), [(16, 1), (32, 2)])
 @pytest.mark.parametrize("op", ["flush", "flush_sketch"])
-@pytest.mark.parametrize("family", FAMILIES)
-def test_chunked_flush_cpu(family, op, block_v, warps, dtype):
-    """The tensor-core flush on Sᵀ tiles: bf16 keys (the fp32 operand split into three bf16
+def test_chunked_flush_cpu(op, block_v, warps, dtype):
+    """Mamba-2's tensor-core flush on Sᵀ tiles: bf16 keys (the fp32 operand split into three bf16
     terms) and fp32 keys (3xTF32), one or two value tiles per head at V = 32. The fp32 results are
     held to 1e-6, ten times tighter than elsewhere: both flush forms land near 1e-7, and a split
     that dropped its third bf16 term (~16 bits) would still pass 1e-5."""
-    config = decode.KernelConfig(block_v, warps, chunked=True)
-    run_case(family, op, CPU_SHAPES[family][0], dtype, "cpu", seed=13, config=config, fp32_tol=1e-6)
+    config = dispatch.KernelConfig("chunk", block_v, warps)
+    run_case("mamba2", op, CPU_SHAPES["mamba2"][0], dtype, "cpu", seed=13, config=config, fp32_tol=1e-6)
 
 
-@pytest.mark.parametrize(("chunked", "vec"), [(False, 0), (False, 2), (True, 0)])
-@pytest.mark.parametrize("family", FAMILIES)
-def test_flush_tiny_and_zero_decays_cpu(family, chunked, vec):
+@pytest.mark.parametrize(
+    ("family", "form", "vec"),
+    [(f, "sweep", v) for f in FAMILIES for v in (0, 2)] + [("mamba2", "chunk", 0)],
+)
+def test_flush_tiny_and_zero_decays_cpu(family, form, vec):
     """The token-by-token flush keeps the window's decay product apart from the tile (a scale
-    folded in when it gets tiny); the chunked one builds running products of decays. Decays whose
+    folded in when it gets tiny); Mamba-2's chunked one builds running products of decays. Decays whose
     product underflows (1e-30 twice) and an exact zero decay (the state before it forgotten) must
     still give the float64 reference."""
     h, g, kd, vd = CPU_SHAPES[family][1]
@@ -405,8 +404,8 @@ def test_flush_tiny_and_zero_decays_cpu(family, chunked, vec):
     slots = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
     pos = torch.tensor([6, 5, 6, 0], dtype=torch.int32)
     got, want = pool.clone(), pool.clone()
-    config = decode.KernelConfig(16, 1, chunked=chunked, vec=vec)
-    decode.flush(family, got, slots, pos, config=config)
+    config = dispatch.KernelConfig(form, 16, 1, vec=vec)
+    dispatch.flush(family, got, slots, pos, config=config)
     ref.flush(family, want, slots, pos)
     assert torch.isfinite(got.state).all()
     assert _rel(got.state, want.state) <= 1e-5
@@ -432,7 +431,7 @@ def test_bf16_read_copy_is_close_to_exact():
     )
     slots, pos = torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([0, 2, 3], dtype=torch.int32)
     x = random_inputs(family, 3, 1, h, g, kd, vd, dtype=torch.float32, generator=gen)
-    got = decode.replay_step(family, pool.clone(), slots, pos, x)
+    got = dispatch.replay_step(family, pool.clone(), slots, pos, x)
     exact = pool.clone()
     exact.read = exact.state.clone()
     want = ref.replay_step(family, exact, slots, pos, x)
@@ -457,12 +456,12 @@ def test_kda_reads_take_log2_decays_and_the_flush_fp32_ones():
     assert pool.buf_logdecay is not None and pool.buf_logdecay.dtype == torch.bfloat16
     spoilt = pool.clone()
     spoilt.buf_decay.mul_(0.5)
-    got = decode.replay_step("kda", spoilt, slots, pos[[1, 1, 2]], x)
+    got = dispatch.replay_step("kda", spoilt, slots, pos[[1, 1, 2]], x)
     want = ref.replay_step("kda", pool.clone(), slots, pos[[1, 1, 2]], x)
     assert _rel(got, want) <= 1e-2
     spoilt = pool.clone()
     spoilt.buf_logdecay.fill_(-1.0)
-    decode.flush("kda", spoilt, slots, pos)
+    dispatch.flush("kda", spoilt, slots, pos)
     want = pool.clone()
     ref.flush("kda", want, slots, pos)
     assert _rel(spoilt.state, want.state) <= 1e-5
@@ -514,12 +513,25 @@ def test_partial_read_rows_are_refused():
         (dict(block_v=48), "block_v"),
         (dict(num_warps=0), "num_warps"),
         (dict(group=-1), "group"),
+        (dict(form="bogus"), "form"),
+        (dict(form="gluon_sweep"), "per_sm"),
+        (dict(coef_warps=0), "coef_warps"),
     ],
 )
 def test_bad_launch_shapes_are_refused(kwargs, field):
-    args = dict(block_v=64, num_warps=1) | kwargs
+    args = dict(form="read", block_v=64, num_warps=1) | kwargs
     with pytest.raises(ValueError, match=field):
-        decode.KernelConfig(**args)
+        dispatch.KernelConfig(**args)
+
+
+@pytest.mark.parametrize(
+    ("family", "op", "form"),
+    [("gdn", "flush", "chunk"), ("kda", "sketch", "split_read"), ("gdn", "replay", "sweep")],
+)
+def test_a_form_that_does_not_serve_the_kernel_is_refused(family, op, form):
+    """A config naming a kernel of another op or another family is one clear error, not a launch."""
+    with pytest.raises(ValueError, match="does not run"):
+        run_case(family, op, CPU_SHAPES[family][0], "fp32", "cpu", config=dispatch.KernelConfig(form, 16, 1))
 
 
 def test_bad_inputs_raise():
@@ -528,7 +540,7 @@ def test_bad_inputs_raise():
     x = random_inputs(family, 2, 1, h, g, kd, vd)
     x.decay = x.decay[..., 0].contiguous()
     with pytest.raises(ValueError, match="decay"):
-        decode.standard_step(family, pool, torch.tensor([0, 1], dtype=torch.int32), x)
+        dispatch.standard_step(family, pool, torch.tensor([0, 1], dtype=torch.int32), x)
 
 
 @pytest.mark.gpu
@@ -545,15 +557,16 @@ def test_kernel_gpu(family, op, dtype):
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("op", ["flush", "flush_sketch"])
 @pytest.mark.parametrize("shape", [(16, 1), (64, 4)])
-@pytest.mark.parametrize("family", FAMILIES)
-def test_chunked_flush_gpu(family, shape, op, dtype):
-    """The tensor-core flush at the real shapes for every family, whether or not a default uses
-    it: one-warp 16-column tiles and 4-warp 64-column tiles, held to 1e-6 like on the CPU."""
-    config = decode.KernelConfig(*shape, chunked=True)
-    run_case(family, op, GPU_SHAPES[family], dtype, "cuda", seed=17, real=True, config=config, fp32_tol=1e-6)
+def test_chunked_flush_gpu(shape, op, dtype):
+    """Mamba-2's tensor-core flush (its Gluon flush's fallback) at the real shape: one-warp
+    16-column tiles and 4-warp 64-column tiles, held to 1e-6 like on the CPU."""
+    config = dispatch.KernelConfig("chunk", *shape)
+    run_case(
+        "mamba2", op, GPU_SHAPES["mamba2"], dtype, "cuda", seed=17, real=True, config=config, fp32_tol=1e-6
+    )
 
 
-def _split_shapes() -> list[decode.KernelConfig]:
+def _split_shapes() -> list[dispatch.KernelConfig]:
     from sketchcal.kernels.bench import SPLIT_SHAPES
 
     return SPLIT_SHAPES
@@ -572,33 +585,38 @@ def test_pipelined_flush_needs_gluon(monkeypatch):
     """Where Triton has no Gluon, a CUDA pool's Mamba-2 flush takes the chunked kernel."""
     bf16 = SimpleNamespace(dtype=torch.bfloat16)
     cuda_pool = SimpleNamespace(state=SimpleNamespace(is_cuda=True), buf_k=bf16, buf_w=bf16)
-    config = decode.KernelConfig(64, 4, pipelined=3)
-    monkeypatch.setattr(decode, "_interpreting", lambda: False)
-    assert decode.gluon_available()  # this Triton has it: the CUDA pool would take the Gluon kernel
-    assert decode._pipelined(config, "mamba2", cuda_pool)
-    assert not decode._pipelined(config, "gdn", cuda_pool)
-    assert not decode._pipelined(replace(config, pipelined=0), "mamba2", cuda_pool)
-    monkeypatch.setattr(decode, "gluon_available", lambda: False)
-    assert not decode._pipelined(config, "mamba2", cuda_pool)
+    config = dispatch.KernelConfig("gluon_chunk", 64, 4, per_sm=3)
+    monkeypatch.setattr(dispatch, "interpreting", lambda: False)
+    assert dispatch.gluon_available()  # this Triton has it: the CUDA pool would take the Gluon kernel
+    assert dispatch.gluon_flush_runs(config, "mamba2", cuda_pool)
+    assert not dispatch.gluon_flush_runs(config, "gdn", cuda_pool)
+    assert not dispatch.gluon_flush_runs(replace(config, form="chunk"), "mamba2", cuda_pool)
+    assert dispatch.runnable(config, "mamba2", cuda_pool, None, 1) == config
+    monkeypatch.setattr(dispatch, "gluon_available", lambda: False)
+    assert not dispatch.gluon_flush_runs(config, "mamba2", cuda_pool)
+    assert dispatch.runnable(config, "mamba2", cuda_pool, None, 1) == replace(config, form="chunk")
 
 
 def test_persistent_grid_is_programs_per_sm_at_most_one_per_item(monkeypatch):
-    from sketchcal.kernels.common import flush_pipelined
+    from sketchcal.kernels.common import gluon_helpers
 
-    monkeypatch.setattr(flush_pipelined, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(gluon_helpers, "_sm_count", lambda index: 132)
     dev = torch.device("cuda", 0)
-    assert flush_pipelined.persistent_grid(8192, 1, dev) == (132,)
-    assert flush_pipelined.persistent_grid(8192, 3, dev) == (396,)
-    assert flush_pipelined.persistent_grid(200, 3, dev) == (200,)
-    assert flush_pipelined.persistent_grid(0, 3, dev) == (1,)
+    assert gluon_helpers.persistent_grid(8192, 1, dev) == (132,)
+    assert gluon_helpers.persistent_grid(8192, 3, dev) == (396,)
+    assert gluon_helpers.persistent_grid(200, 3, dev) == (200,)
+    assert gluon_helpers.persistent_grid(0, 3, dev) == (1,)
 
 
 def test_gluon_flush_launchers_pass_the_grid_and_shape(monkeypatch):
-    """Both Gluon launchers (host code, which the ``gpu`` tests otherwise cover alone) launch their
-    kernel on the persistent grid with the arguments, the frame terms, the item count and the
-    shape constants, against a stand-in kernel that records the launch."""
-    from sketchcal.kernels.common import flush_pipelined
-    from sketchcal.kernels.kda import flush_pipelined as kda_flush
+    """The persistent launcher and both Gluon flushes' launchers (host code, which the ``gpu``
+    tests otherwise cover alone): the kernel runs on the persistent grid with the flush arguments,
+    the frame terms, the item count and the shape constants, against stand-ins that record the
+    launch."""
+    from sketchcal.kernels.common import gluon_helpers
+    from sketchcal.kernels.common.flush import flush_arguments
+    from sketchcal.kernels.kda import flush_sweep
+    from sketchcal.kernels.mamba2 import flush_pipelined
 
     launches = []
 
@@ -606,38 +624,51 @@ def test_gluon_flush_launchers_pass_the_grid_and_shape(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launches.append((grid, args, kwargs))
 
-    monkeypatch.setattr(flush_pipelined, "_sm_count", lambda index: 132)
-    monkeypatch.setattr(flush_pipelined, "_flush_pipelined_kernel", Recorder())
-    monkeypatch.setattr(kda_flush, "_flush_kda_kernel", Recorder())
+    monkeypatch.setattr(gluon_helpers, "_sm_count", lambda index: 132)
     args = (SimpleNamespace(device=torch.device("cuda", 0)), "slots")
     flags = dict(HAS_X=True, HAS_SKIP=False, HAS_READ=True, ROWS=True, SKETCH_OUT=True, SKETCH_TERMS=1)
-    flush_pipelined.launch(
-        args,
-        "terms",
-        H=64,
-        G=8,
-        K=128,
-        V=64,
-        C=16,
-        BC=16,
-        batch=256,
-        per_sm=3,
-        num_warps=4,
-        maxnreg=168,
-        **flags,
+    shape = dict(H=64, G=8, K=128, V=64, C=16, BC=16)
+    gluon_helpers.launch_persistent(
+        Recorder(), args, "terms", batch=256, per_sm=3, num_warps=4, maxnreg=168, **shape, **flags
     )
-    kda_flush.launch(args, "terms", H=32, K=128, V=128, C=16, batch=2, per_sm=1, num_warps=8, **flags)
+    gluon_helpers.launch_persistent(Recorder(), args, "terms", batch=2, per_sm=1, num_warps=8, parts=2, H=32)
     (grid_m, args_m, kw_m), (grid_k, args_k, kw_k) = launches
     assert grid_m == (396,) and args_m == (*args, "terms", 256 * 64)
-    assert kw_m == dict(H=64, G=8, K=128, V=64, C=16, BC=16, num_warps=4, maxnreg=168, **flags)
-    assert grid_k == (64,) and args_k == (*args, "terms", 2 * 32)
-    assert kw_k == dict(H=32, K=128, V=128, C=16, BC=16, num_warps=8, **flags)
+    assert kw_m == dict(**shape, **flags, num_warps=4, maxnreg=168)
+    assert grid_k == (128,) and args_k == (*args, "terms", 2 * 32 * 2) and kw_k == dict(H=32, num_warps=8)
+
+    # the modules' launchers, on a CPU pool: what they hand to launch_persistent
+    calls = []
+    for module in (gluon_helpers, flush_sweep):  # (Mamba-2's calls it through gluon_helpers)
+        monkeypatch.setattr(module, "launch_persistent", lambda kernel, *a, **k: calls.append((kernel, a, k)))
+    gen = torch.Generator().manual_seed(0)
+    for family, (h, g, kd, vd), config in (
+        ("mamba2", (8, 2, 32, 16), dispatch.KernelConfig("gluon_chunk", 64, 4, maxnreg=168, per_sm=3)),
+        ("kda", (4, 4, 32, 64), dispatch.KernelConfig("gluon_sweep", 32, 2, per_sm=2)),
+    ):
+        tables = random_sketch(family, [4, 0, 8, 12] * (h // 4), g, kd, gen)
+        pool = random_pool(family, 3, h, g, kd, vd, capacity=16, sketch_rows=tables.map_rows, generator=gen)
+        slots, pos = torch.tensor([2, 0], dtype=torch.int32), torch.tensor([5, 16], dtype=torch.int32)
+        module = flush_pipelined if family == "mamba2" else flush_sweep
+        module.launch(family, pool, tables, slots, pos, None, None, config)
+        kernel, (fargs, terms), kw = calls.pop()
+        want_args = flush_arguments(pool, tables, slots, pos, None, None)
+        assert all(a is b or a == b for a, b in zip(fargs, want_args, strict=True))
+        flags = dict(HAS_X=False, HAS_SKIP=False, HAS_READ=True, ROWS=True, SKETCH_OUT=True)
+        launch = dict(batch=2, per_sm=config.per_sm, num_warps=config.num_warps, maxnreg=config.maxnreg)
+        if family == "mamba2":
+            assert kernel is flush_pipelined._flush_pipelined_kernel and terms is tables.frame_terms
+            assert kw == dict(H=h, G=g, K=kd, V=vd, C=16, BC=16, **flags, SKETCH_TERMS=1, **launch)
+        else:  # two work items of 32 value columns per head; 16 frame rows fit two programs per SM
+            assert kernel is flush_sweep._flush_kda_sweep_kernel and terms is pool.buf_decay
+            assert kw == dict(H=h, K=kd, V=vd, C=16, **flags, VB=32, BC=16, MR=16, parts=2, **launch)
 
 
-def test_kda_pipelined_flush_takes_the_pools_its_layouts_cover(monkeypatch):
-    """KDA's Gluon flush folds one chunk of at most 16 tokens per head with 4 or 8 warps, each
-    owning at least 16 value rows; other pools take the kernels the config otherwise names."""
-    monkeypatch.setattr(decode, "_interpreting", lambda: False)
+def test_kda_gluon_flush_takes_the_pools_its_layouts_cover(monkeypatch):
+    """KDA's Gluon sweep takes 16 or 8 value columns per warp (a head in V / block_v work items), K
+    a multiple of 32, one head per group and at most 16 buffered tokens; other pools take Triton's
+    sweep (``SWEEP_FALLBACK``)."""
+    monkeypatch.setattr(dispatch, "interpreting", lambda: False)
 
     def pool(h=32, g=32, kd=128, vd=128, cap=16):
         bf16 = SimpleNamespace(dtype=torch.bfloat16, shape=(1, g, cap, kd))
@@ -648,39 +679,38 @@ def test_kda_pipelined_flush_takes_the_pools_its_layouts_cover(monkeypatch):
             capacity=cap,
         )
 
-    eight, four = decode.KernelConfig(128, 8, pipelined=1), decode.KernelConfig(128, 4, pipelined=1)
-    assert decode._pipelined(eight, "kda", pool()) and decode._pipelined(four, "kda", pool(vd=64))
-    assert not decode._pipelined(eight, "kda", pool(vd=64))  # 8 rows per warp
-    assert not decode._pipelined(eight, "kda", pool(cap=17))  # more than one chunk
-    assert not decode._pipelined(eight, "kda", pool(g=16))  # keys shared by heads
-    assert not decode._pipelined(eight, "kda", pool(kd=16))
-    assert not decode._pipelined(decode.KernelConfig(128, 2, pipelined=1), "kda", pool())
-    assert not decode._pipelined(eight, "gdn", pool())
-    # the deferred-decay sweep (chunked=False): 16 or 8 value columns per warp (a head in V / block_v
-    # work items), K a multiple of 32
-    sweep8 = decode.KernelConfig(128, 8, False, pipelined=1)
-    sweep4 = decode.KernelConfig(64, 4, False, pipelined=2)
-    assert decode._pipelined(sweep8, "kda", pool()) and decode._pipelined(sweep4, "kda", pool(vd=64))
-    assert decode._pipelined(sweep4, "kda", pool())  # two items per head
-    assert not decode._pipelined(sweep4, "kda", pool(vd=96))  # not a whole number of items
-    assert decode._pipelined(sweep8, "kda", pool(vd=64))  # block_v clipped to V: 8 columns per warp
-    assert decode._pipelined(decode.KernelConfig(32, 4, False, pipelined=4), "kda", pool())  # 8 per warp
-    assert not decode._pipelined(decode.KernelConfig(16, 4, False, pipelined=4), "kda", pool())  # 4 per warp
-    assert not decode._pipelined(decode.KernelConfig(64, 16, False, pipelined=1), "kda", pool(vd=256))
-    assert not decode._pipelined(sweep8, "kda", pool(kd=48))
-    assert not decode._pipelined(sweep8, "kda", pool(cap=17))
-    assert not decode._pipelined(sweep8, "kda", pool(g=16))
-    assert not decode._pipelined(sweep8, "gdn", pool())
+    def cfg(block_v, warps, per_sm, **kw):
+        return dispatch.KernelConfig("gluon_sweep", block_v, warps, per_sm=per_sm, **kw)
+
+    runs = dispatch.gluon_flush_runs
+    sweep8, sweep4 = cfg(128, 8, 1), cfg(64, 4, 2)
+    assert runs(sweep8, "kda", pool()) and runs(sweep4, "kda", pool(vd=64))
+    assert runs(sweep4, "kda", pool())  # two items per head
+    assert not runs(sweep4, "kda", pool(vd=96))  # not a whole number of items
+    assert runs(sweep8, "kda", pool(vd=64))  # block_v clipped to V: 8 columns per warp
+    assert runs(cfg(32, 4, 4), "kda", pool())  # 8 per warp
+    assert not runs(cfg(16, 4, 4), "kda", pool())  # 4 per warp
+    assert not runs(cfg(64, 16, 1), "kda", pool(vd=256))
+    assert not runs(sweep8, "kda", pool(kd=48))
+    assert not runs(sweep8, "kda", pool(cap=17))
+    assert not runs(sweep8, "kda", pool(g=16))
+    assert not runs(sweep8, "gdn", pool())
+    assert dispatch.runnable(sweep8, "kda", pool(cap=17), None, 1) == dispatch.SWEEP_FALLBACK
+    assert dispatch.runnable(sweep8, "kda", pool(), None, 1) == sweep8
 
 
-@pytest.mark.parametrize("family", ["mamba2", "kda"])
+@pytest.mark.parametrize(("family", "form"), [("mamba2", "gluon_chunk"), ("kda", "gluon_sweep")])
 @pytest.mark.parametrize("op", ["flush", "flush_sketch"])
-def test_pipelined_flush_falls_back_on_the_cpu(family, op):
-    """The Gluon flushes cannot run in the interpreter: asked for, the flush takes the chunked
-    kernel, which matches the reference."""
-    config = decode.KernelConfig(16, 1, pipelined=2)
+def test_pipelined_flush_falls_back_on_the_cpu(family, form, op):
+    """The Gluon flushes cannot run in the interpreter: asked for, the flush takes the Triton
+    fallback (Mamba-2's chunked flush, KDA's sweep), which matches the reference."""
+    config = dispatch.KernelConfig(form, 16, 1, per_sm=2)
     h, g, kd, vd = CPU_SHAPES[family][0]
-    assert not decode._pipelined(config, family, random_pool(family, 1, h, g, kd, vd, capacity=4))
+    pool = random_pool(family, 1, h, g, kd, vd, capacity=4)
+    assert not dispatch.gluon_flush_runs(config, family, pool)
+    assert dispatch.runnable(config, family, pool, None, 1).form == (
+        "chunk" if family == "mamba2" else "sweep"
+    )
     run_case(family, op, CPU_SHAPES[family][0], "bf16", "cpu", seed=3, config=config)
 
 
@@ -693,11 +723,11 @@ def test_pipelined_flush_gpu(shape, op, dtype):
     several heads, so the copy ring wraps), with and without a register cap, held to 1e-6 like the
     chunked flush. fp32 inputs take the chunked kernel instead (checked here too)."""
     per_sm, cap = shape
-    config = decode.KernelConfig(64, 4, pipelined=per_sm, maxnreg=cap)
+    config = dispatch.KernelConfig("gluon_chunk", 64, 4, per_sm=per_sm, maxnreg=cap)
     h, g, kd, vd = GPU_SHAPES["mamba2"]
     inputs = DTYPES.get(dtype, torch.bfloat16)
     probe = random_pool("mamba2", 1, h, g, kd, vd, capacity=16, input_dtype=inputs, device="cuda")
-    assert decode._pipelined(config, "mamba2", probe) == (dtype != "fp32")
+    assert dispatch.gluon_flush_runs(config, "mamba2", probe) == (dtype != "fp32")
     run_case(
         "mamba2", op, GPU_SHAPES["mamba2"], dtype, "cuda", seed=19, real=True, config=config, fp32_tol=1e-6
     )
@@ -707,18 +737,16 @@ def test_pipelined_flush_gpu(shape, op, dtype):
 @pytest.mark.parametrize("op", ["flush", "flush_sketch"])
 def test_pipelined_flush_many_heads_per_program_gpu(op):
     """A batch of 64 on one program per SM: each program folds about 30 heads through its copy
-    ring, against the chunked flush on the same pool (which the test above holds to the
-    reference)."""
-    chunked, pipelined = decode.KernelConfig(64, 4), decode.KernelConfig(64, 4, pipelined=1)
-    _many_heads_per_program("mamba2", op, 16, chunked, pipelined)
+    ring, against the float64 reference."""
+    _many_heads_per_program("mamba2", op, 16, dispatch.KernelConfig("gluon_chunk", 64, 4, per_sm=1))
 
 
-def _many_heads_per_program(family, op, capacity, reference_config, config, cyclic=False, ranks=None):
+def _many_heads_per_program(family, op, capacity, config, cyclic=False, ranks=None):
     """A batch of 64 entries (one padding) of an 80-slot pool at the real shape, flushed with
-    ``config`` and with ``reference_config``, which must agree: states to 1e-6, read copies, sketches
-    and outputs to bf16 tolerance; padding outputs and unaddressed slots untouched. Buffered tokens:
-    random up to ``capacity``, or every length in turn (``cyclic``). ``ranks``: the heads' ranks
-    (default: the benchmark's spread, one head dense)."""
+    ``config`` (which must run its Gluon kernel) against the float64 reference: states to 1e-6,
+    read copies, sketches and outputs to bf16 tolerance; padding outputs and unaddressed slots
+    untouched. Buffered tokens: random up to ``capacity``, or every length in turn (``cyclic``).
+    ``ranks``: the heads' ranks (default: the benchmark's spread, one head dense)."""
     h, g, kd, vd = GPU_SHAPES[family]
     gen = torch.Generator().manual_seed(23)
     tables = random_sketch(family, ranks or _ranks(h, kd, True), g, kd, gen).to("cuda")
@@ -726,6 +754,7 @@ def _many_heads_per_program(family, op, capacity, reference_config, config, cycl
     pool = random_pool(
         family, 80, h, g, kd, vd, capacity=capacity, sketch_rows=tables.map_rows, device="cuda", generator=gen
     )
+    assert dispatch.gluon_flush_runs(config, family, pool)
     slots = torch.randperm(80, generator=gen)[:64].to(torch.int32).cuda()
     slots[5] = -1
     if cyclic:
@@ -733,14 +762,12 @@ def _many_heads_per_program(family, op, capacity, reference_config, config, cycl
     else:
         pos = torch.randint(0, capacity + 1, (64,), generator=gen, dtype=torch.int32).cuda()
     x = random_inputs(family, 64, 1, h, g, kd, vd, device="cuda", generator=gen)
-    results = []
-    for cfg in (reference_config, config):
-        p, out = _clone(pool), torch.full_like(x.w, float("nan"))
-        decode.flush(family, p, slots, pos, x, out, tables=tables if sketch else None, config=cfg)
-        results.append((p, out))
-    (want, o_want), (got, o_got) = results
+    got, out = _clone(pool), torch.full_like(x.w, float("nan"))
+    dispatch.flush(family, got, slots, pos, x, out, tables=tables if sketch else None, config=config)
+    want = _clone(pool)
+    o_want = ref.flush(family, want, slots, pos, x, tables if sketch else None)
     live = slots >= 0
-    assert _rel(o_got[live], o_want[live]) <= 1e-2 and torch.isnan(o_got[~live].float()).all()
+    assert _rel(out[live], o_want[live]) <= 1e-2 and torch.isnan(out[~live].float()).all()
     for f in ("state", "read", "sketch"):
         a, b = getattr(got, f), getattr(want, f)
         if a is not None:
@@ -750,52 +777,46 @@ def _many_heads_per_program(family, op, capacity, reference_config, config, cycl
     assert torch.equal(got.state[untouched], pool.state[untouched])
 
 
-KDA_PIPELINED = [decode.KernelConfig(128, 8, pipelined=1), decode.KernelConfig(128, 4, pipelined=1)]
-# the persistent sweep with deferred decays (kernels/kda/flush_sweep.py), work items of block_v value
-# columns: 16 per warp at 8 warps (a head per item), one program per SM; at 4 warps (half a head), two
-# or three programs per SM; at 2 warps (a quarter), four. 8 per warp: half a head on 8 warps, a
-# quarter on 4, four programs per SM
+# KDA's persistent sweep with deferred decays (kernels/kda/flush_sweep.py), work items of block_v
+# value columns: 16 per warp at 8 warps (a head per item), one program per SM; at 4 warps (half a
+# head), two or three programs per SM; at 2 warps (a quarter), four. 8 per warp: half a head on 8
+# warps, a quarter on 4, four programs per SM
 KDA_SWEEP = [
-    decode.KernelConfig(128, 8, False, pipelined=1),
-    decode.KernelConfig(64, 4, False, pipelined=2),
-    decode.KernelConfig(64, 4, False, maxnreg=168, pipelined=3),
-    decode.KernelConfig(32, 2, False, pipelined=4),
-    decode.KernelConfig(64, 8, False, maxnreg=128, pipelined=2),
-    decode.KernelConfig(32, 4, False, maxnreg=128, pipelined=4),
+    dispatch.KernelConfig("gluon_sweep", 128, 8, per_sm=1),
+    dispatch.KernelConfig("gluon_sweep", 64, 4, per_sm=2),
+    dispatch.KernelConfig("gluon_sweep", 64, 4, maxnreg=168, per_sm=3),
+    dispatch.KernelConfig("gluon_sweep", 32, 2, per_sm=4),
+    dispatch.KernelConfig("gluon_sweep", 64, 8, maxnreg=128, per_sm=2),
+    dispatch.KernelConfig("gluon_sweep", 32, 4, maxnreg=128, per_sm=4),
 ]
 SWEEP_IDS = ["sweep", "sweep_half", "sweep_half3", "sweep_quarter", "sweep_half_cw8", "sweep_quarter_cw8"]
-KDA_IDS = ["warps8", "warps4", *SWEEP_IDS]
-# the reference the persistent flushes are held to on many heads: KDA's Triton sweep
-TRITON_SWEEP = decode.KernelConfig(16, 1, chunked=False, vec=4)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [*DTYPES, "fp8"])
 @pytest.mark.parametrize("op", ["flush", "flush_sketch"])
-@pytest.mark.parametrize("config", KDA_PIPELINED + KDA_SWEEP, ids=KDA_IDS)
+@pytest.mark.parametrize("config", KDA_SWEEP, ids=SWEEP_IDS)
 def test_pipelined_kda_flush_gpu(config, op, dtype):
-    """KDA's persistent Gluon flushes (the chunked UT fold on tensor cores; the sweep with deferred
-    decays) at the real shape, held to 1e-6 like Mamba-2's. fp32 inputs take the Triton kernels
-    instead (checked here too)."""
+    """KDA's persistent Gluon sweep with deferred decays at the real shape, held to 1e-6 like
+    Mamba-2's. fp32 inputs take Triton's sweep instead (checked here too)."""
     h, g, kd, vd = GPU_SHAPES["kda"]
     inputs = DTYPES.get(dtype, torch.bfloat16)
     probe = random_pool("kda", 1, h, g, kd, vd, capacity=16, input_dtype=inputs, device="cuda")
-    assert decode._pipelined(config, "kda", probe) == (dtype != "fp32")
+    assert dispatch.gluon_flush_runs(config, "kda", probe) == (dtype != "fp32")
     run_case("kda", op, GPU_SHAPES["kda"], dtype, "cuda", seed=19, real=True, config=config, fp32_tol=1e-6)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", KDA_PIPELINED + KDA_SWEEP, ids=KDA_IDS)
+@pytest.mark.parametrize("config", KDA_SWEEP, ids=SWEEP_IDS)
 def test_pipelined_kda_flush_tiny_and_zero_decays_gpu(config):
-    """The UT fold builds every product of decays as a running product, and the deferred-decay
-    sweep falls back to the direct sweep for a head whose running products leave [2⁻⁶⁴, 2⁶⁴]:
-    decays whose product underflows, an exact zero decay, and one head's tiny decay must still give
-    the reference. Slot 4's decays (0.1 throughout: products down to 1e-16 ≈ 2⁻⁵³) stay on the
-    scaled path, whose reciprocals then reach 2⁵³."""
+    """The deferred-decay sweep falls back to the direct sweep for a head whose running products
+    leave [2⁻⁶⁴, 2⁶⁴]: decays whose product underflows, an exact zero decay, and one head's tiny
+    decay must still give the reference. Slot 4's decays (0.1 throughout: products down to
+    1e-16 ≈ 2⁻⁵³) stay on the scaled path, whose reciprocals then reach 2⁵³."""
     h, g, kd, vd = GPU_SHAPES["kda"]
     gen = torch.Generator().manual_seed(11)
     pool = random_pool("kda", 5, h, g, kd, vd, capacity=16, device="cuda", generator=gen)
-    assert decode._pipelined(config, "kda", pool)
+    assert dispatch.gluon_flush_runs(config, "kda", pool)
     pool.buf_decay[0, :, 1:3] = 1e-30
     pool.buf_decay[1, :, 2] = 0.0
     pool.buf_decay[2, 0, 4] = 1e-25
@@ -804,7 +825,7 @@ def test_pipelined_kda_flush_tiny_and_zero_decays_gpu(config):
     slots = torch.tensor([0, 1, 2, 3, 4], dtype=torch.int32, device="cuda")
     pos = torch.tensor([16, 15, 16, 9, 16], dtype=torch.int32, device="cuda")
     got, want = pool.clone(), pool.clone()
-    decode.flush("kda", got, slots, pos, config=config)
+    dispatch.flush("kda", got, slots, pos, config=config)
     ref.flush("kda", want, slots, pos)
     assert torch.isfinite(got.state).all()
     for s in range(5):
@@ -821,7 +842,7 @@ def test_kda_sweep_flush_new_token_tiny_decays_gpu(config):
     h, g, kd, vd = GPU_SHAPES["kda"]
     gen = torch.Generator().manual_seed(13)
     pool = random_pool("kda", 4, h, g, kd, vd, capacity=16, device="cuda", generator=gen)
-    assert decode._pipelined(config, "kda", pool)
+    assert dispatch.gluon_flush_runs(config, "kda", pool)
     x = random_inputs("kda", 4, 1, h, g, kd, vd, device="cuda", generator=gen)
     pool.buf_decay[0] = 0.1
     x.decay[0] = 1e-30
@@ -832,7 +853,7 @@ def test_kda_sweep_flush_new_token_tiny_decays_gpu(config):
     pos = torch.tensor([16, 12, 16, 0], dtype=torch.int32, device="cuda")
     got, want = pool.clone(), pool.clone()
     out = torch.full_like(x.w, float("nan"))
-    decode.flush("kda", got, slots, pos, x, out, config=config)
+    dispatch.flush("kda", got, slots, pos, x, out, config=config)
     o_want = ref.flush("kda", want, slots, pos, x)
     assert torch.isfinite(got.state).all()
     for s in range(4):
@@ -841,23 +862,13 @@ def test_kda_sweep_flush_new_token_tiny_decays_gpu(config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("capacity", [16, 11])
-@pytest.mark.parametrize("op", ["flush", "flush_sketch"])
-def test_pipelined_kda_flush_many_heads_per_program_gpu(op, capacity):
-    """A batch of 64 on one program per SM, each folding about 16 heads through its copy rings,
-    against the token-by-token flush on the same pool (which the tests above hold to the
-    reference); buffers of every length up to the capacity (a full chunk, or a shorter one)."""
-    _many_heads_per_program("kda", op, capacity, TRITON_SWEEP, KDA_PIPELINED[0], cyclic=True)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("config", KDA_SWEEP, ids=SWEEP_IDS)
 @pytest.mark.parametrize("capacity", [16, 11])
 @pytest.mark.parametrize("op", ["flush", "flush_sketch"])
 def test_kda_sweep_flush_many_heads_per_program_gpu(op, capacity, config):
-    """The persistent deferred-decay sweep (about 16 work items per program) against Triton's sweep
-    on the same pool, buffers of every length up to the capacity."""
-    _many_heads_per_program("kda", op, capacity, TRITON_SWEEP, config, cyclic=True)
+    """The persistent deferred-decay sweep (about 16 work items per program) against the float64
+    reference, buffers of every length up to the capacity (a full window, or a shorter one)."""
+    _many_heads_per_program("kda", op, capacity, config, cyclic=True)
 
 
 @pytest.mark.gpu
@@ -865,13 +876,13 @@ def test_kda_sweep_flush_many_heads_per_program_gpu(op, capacity, config):
 def test_kda_sweep_flush_odd_ranks_gpu(config):
     """The sweep flush copies a head's frame rows into shared memory 8 or 16 at a time: ranks up to
     the largest supported (64: eight rounds of 8), ranks that are no multiple of that count (12, 24,
-    48), and dense heads, against Triton's sweep on the same pool."""
+    48), and dense heads, against the float64 reference."""
     h = GPU_SHAPES["kda"][0]
     ranks = [[4, 12, 0, 48, 64, 24, 8, 16, 32][i % 9] for i in range(h)]
-    _many_heads_per_program("kda", "flush_sketch", 16, TRITON_SWEEP, config, cyclic=True, ranks=ranks)
+    _many_heads_per_program("kda", "flush_sketch", 16, config, cyclic=True, ranks=ranks)
 
 
-def _candidates() -> list[tuple[str, str, decode.KernelConfig]]:
+def _candidates() -> list[tuple[str, str, dispatch.KernelConfig]]:
     from sketchcal.kernels.bench import TUNE_CANDIDATES
 
     cases = []
@@ -903,9 +914,9 @@ def _window(family, pool, tables, slots, xs, outs) -> None:
     b = slots.numel()
     for t in range(n):
         pos = torch.full((b,), t, dtype=torch.int32, device=slots.device)
-        decode.sketch_step(family, pool, tables, slots, pos, xs[t], outs[t])
+        dispatch.sketch_step(family, pool, tables, slots, pos, xs[t], outs[t])
     pos = torch.full((b,), n, dtype=torch.int32, device=slots.device)
-    decode.flush(family, pool, slots, pos, xs[n], outs[n], tables=tables)
+    dispatch.flush(family, pool, slots, pos, xs[n], outs[n], tables=tables)
 
 
 @pytest.mark.gpu
@@ -927,7 +938,7 @@ def test_window_in_cuda_graph_with_dependent_launch_gpu(family, monkeypatch):
     xs = [random_inputs(family, batch, 1, h, g, kd, vd, device="cuda", generator=gen) for _ in range(cap)]
     runs = {}
     for pdl in (False, True):
-        monkeypatch.setattr(decode, "USE_PDL", pdl)
+        monkeypatch.setattr(dispatch, "USE_PDL", pdl)
         p, outs = _clone(pool), [torch.full_like(x.w, float("nan")) for x in xs]
         if pdl:
             _window(family, _clone(pool), tables, slots, xs, [o.clone() for o in outs])  # compile first

@@ -1,57 +1,50 @@
-"""A persistent, software-pipelined chunked flush for Mamba-2, written in Gluon (CUDA only).
+"""Mamba-2's flush as a persistent, software-pipelined chunked fold, written in Gluon (CUDA only):
+Mamba-2's default flush.
 
-Triton's chunked flush (``decode._flush_chunk_kernel``) runs one program per tile: it loads the
-tile, computes, then stores, so no load is in flight while a program computes, and at 16 resident
-warps per SM the flush waits on memory latency (BENCHMARKS.md). Here each program walks the heads
-``pid, pid + programs, …`` (work item = batch row × H + head). As soon as a head's state tile and
-buffer have moved from shared memory into registers, the program starts the next head's copies
-into the same shared memory (``cp.async``: no registers held), which then run while it folds and
-stores the current head. The head's small inputs (its buffered decays, the new token) are loaded
-into registers one head ahead too, and the slot of the head after that, so that no load waits
-at the start of a head (run 63: 314 against 322 µs at batch 256).
+Each program walks the heads ``pid, pid + programs, …`` (work item = batch row × H + head). As
+soon as a head's state tile and buffer have moved from shared memory into registers, the program
+starts the next head's copies into the same shared memory (``cp.async``: no registers held), which
+then run while it folds and stores the current head; one program per tile that loads, computes,
+then stores has no load in flight while it computes. The head's small inputs (its buffered
+decays, the new token) are loaded into registers one head ahead too, and the slot of the head after
+that, so that no load waits at the start of a head.
 
-The math is the chunked flush's, for Mamba-2 (scalar decay per token, no delta rule): with the
-``n`` buffered tokens' keys ``K_b`` [BC, K] (bf16), values ``W`` [BC, V] and decays ``α``,
+The math is that of the chunked flush (``mamba2/flush_chunk.py``): with the ``n`` buffered tokens'
+keys ``K_b`` [BC, K] (bf16), values ``W`` [BC, V] and decays ``α``,
 
     Sᵀ ← (α_0⋯α_{n−1}) Sᵀ + (g ⊙ W)ᵀ K_b,   g_j = α_{j+1}⋯α_{n−1},
 
 on tensor cores, ``(g ⊙ W)ᵀ`` split into three bf16 terms (exact to fp32 rounding), the tile
 ``Sᵀ`` [V, K] the MMA accumulator. Then the flush's new token (optional), the state store, the
 read copy (replay mode: every head; sketch mode: the dense heads) and the sketch ``R_{:m} S``
-(``Sᵀ R_{:m}ᵀ`` on tensor cores, as ``decode.sketch_terms`` defines it). R's terms come split already
-(``SketchTables.frame_terms``): the first 16 rows of the item's group are copied with its tiles,
-into a ring of two slots (this item's, the next one's), and enter the products straight from
-shared memory; rows past 16 (ranks above 16) are loaded from global memory.
+(``Sᵀ R_{:m}ᵀ`` on tensor cores, as ``flush_chunk.sketch_terms`` defines it). R's terms come split
+already (``SketchTables.frame_terms``): the first 16 rows of the item's group are copied with its
+tiles, into a ring of two slots (this item's, the next one's), and enter the products straight
+from shared memory; rows past 16 (ranks above 16) are loaded from global memory.
 
 Gluon kernels cannot run in the CPU interpreter: the ``gpu`` tests hold this kernel to the float64
-reference (``decode.flush`` chooses it with ``KernelConfig.pipelined``).
+reference.
 """
 
 from __future__ import annotations
 
-import functools
-
-import torch
+from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-# Gluon's names moved between Triton 3.6 (the device's) and 3.9 (the CPU machine's):
-# cp.async into shared memory is ``async_load`` since Triton 3.7
-_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-# a CTA-wide barrier: ``barrier`` since Triton 3.7
-_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-
-
-@gluon.jit
-def _mul(a, b):
-    return a * b
+from sketchcal.kernels.common import gluon_helpers as gh
+from sketchcal.kernels.common.flush import flush_arguments, flush_flags
+from sketchcal.kernels.common.pool import DecodePool, SketchTables
+from sketchcal.kernels.common.recurrence import StepInputs
+from sketchcal.kernels.common.triton_helpers import buffer_block
+from sketchcal.kernels.mamba2.flush_chunk import sketch_terms
 
 
 @gluon.jit
 def _split3(a):
     """An fp32 tensor as three bf16 terms, largest first (their sum is exact to fp32 rounding): the
-    Gluon twin of ``decode._split_bf16``, written with Gluon's ops."""
+    Gluon twin of ``triton_helpers.split_bf16``, written with Gluon's ops."""
     a1 = a.to(gl.bfloat16)
     rest = a - a1.to(gl.float32)
     a2 = rest.to(gl.bfloat16)
@@ -60,57 +53,13 @@ def _split3(a):
 
 
 @gluon.jit
-def _entry(slots, pos, item, n_items, H: gl.constexpr):
-    """Work item ``item``'s (slot, buffered tokens n); slot -1 for padding or past the end."""
-    valid = item < n_items
-    i_b = gl.where(valid, item, 0) // H
-    return gl.where(valid, gl.load(slots + i_b), -1), gl.load(pos + i_b)
-
-
-@gluon.jit
-def _head_flags(ranks, read_rows, item, H: gl.constexpr, SKETCH_OUT: gl.constexpr, ROWS: gl.constexpr):
-    """Work item ``item``'s head's rank m (with ``SKETCH_OUT``; else 0) and read-copy flag
-    ``read_rows[head]`` (with ``ROWS``; else 0), shared by the Gluon flushes, which load them ahead
-    of the head's stores. Volatile, because a plain load of read-only memory is sunk to its first
-    use: there, behind the head's 64 KB of state stores, each was a round trip to global memory on
-    the critical path (KDA's sweep, run 79: ~6% of the sketch flush)."""
-    i_h = item % H
-    m = i_h * 0
-    dense = i_h * 0
-    if SKETCH_OUT:
-        m = gl.load(ranks + i_h, volatile=True)
-    if ROWS:
-        dense = gl.load(read_rows + i_h, volatile=True)
-    return m, dense
-
-
-@gluon.jit
 def _issue(
-    state,
-    buf_k,
-    buf_w,
-    ranks,
-    frame_terms,
-    item,
-    s,
-    n,
-    s_smem,
-    k_smem,
-    w_smem,
-    r_smem,
-    H: gl.constexpr,
-    G: gl.constexpr,
-    K: gl.constexpr,
-    V: gl.constexpr,
-    C: gl.constexpr,
-    BC: gl.constexpr,
-    LS: gl.constexpr,
-    LB: gl.constexpr,
-    SKETCH_OUT: gl.constexpr,
-    TERMS: gl.constexpr,
-):
+    state, buf_k, buf_w, ranks, frame_terms, item, s, n, s_smem, k_smem, w_smem, r_smem, H: gl.constexpr,
+    G: gl.constexpr, K: gl.constexpr, V: gl.constexpr, C: gl.constexpr, BC: gl.constexpr, LS: gl.constexpr,
+    LB: gl.constexpr, SKETCH_OUT: gl.constexpr, TERMS: gl.constexpr,
+):  # fmt: skip
     """Start the copies of work item ``item`` (head ``item % H`` of batch row ``item // H``; slot
-    ``s`` and ``n`` from :func:`_entry`) into shared memory: its state tile [K, V], buffered keys
+    ``s`` and ``n`` from ``gluon_helpers.work_item``) into shared memory: its state tile [K, V], buffered keys
     [BC, K] and values [BC, V] (rows ≥ n zero-filled), and with ``SKETCH_OUT`` the first 16 rows
     of its group's frame as two bf16 terms [32, K] (three, [48, K], when ``TERMS`` is 3; a head of
     rank 0 copies none). A padding slot or an item past the end copies zeros."""
@@ -121,17 +70,17 @@ def _issue(
     o_v = gl.arange(0, V, gl.SliceLayout(0, LS))
     p_s = state + (s64 * H + i_h) * (K * V) + (o_k[:, None] * V + o_v[None, :])
     m_s = (o_k[:, None] < gl.where(live, K, 0)) & (o_v[None, :] < V)
-    _async_load(s_smem, p_s, m_s)
+    gh.async_load(s_smem, p_s, m_s)
     nb = gl.where(live, n, 0)
     o_c = gl.arange(0, BC, gl.SliceLayout(1, LB))
     o_kb = gl.arange(0, K, gl.SliceLayout(0, LB))
     p_k = buf_k + (s64 * G + i_h // (H // G)) * (C * K) + (o_c[:, None] * K + o_kb[None, :])
     m_k = (o_c[:, None] < nb) & (o_kb[None, :] < K)
-    _async_load(k_smem, p_k, m_k)
+    gh.async_load(k_smem, p_k, m_k)
     o_vb = gl.arange(0, V, gl.SliceLayout(0, LB))
     p_w = buf_w + (s64 * H + i_h) * (C * V) + (o_c[:, None] * V + o_vb[None, :])
     m_w = (o_c[:, None] < nb) & (o_vb[None, :] < V)
-    _async_load(w_smem, p_w, m_w)
+    gh.async_load(w_smem, p_w, m_w)
     if SKETCH_OUT:
         sketched = live & (gl.load(ranks + i_h) > 0)
         RT: gl.constexpr = 3 if TERMS == 3 else 2
@@ -140,51 +89,8 @@ def _issue(
         group = frame_terms + (i_h // (H // G)) * (((K + 15) // 16) * 48 * K)
         p_r = group + (o_r[:, None] * K + o_kb[None, :])
         m_r = (o_r[:, None] < gl.where(sketched, RT * 16, 0)) & (o_kb[None, :] < K)
-        _async_load(r_smem, p_r, m_r)
+        gh.async_load(r_smem, p_r, m_r)
     async_copy.commit_group()
-
-
-@gluon.jit
-def _small_inputs(
-    k,
-    q,
-    w,
-    decay,
-    skip,
-    buf_decay,
-    item,
-    s,
-    n,
-    H: gl.constexpr,
-    G: gl.constexpr,
-    K: gl.constexpr,
-    V: gl.constexpr,
-    C: gl.constexpr,
-    BC: gl.constexpr,
-    L1: gl.constexpr,
-    HAS_X: gl.constexpr,
-    HAS_SKIP: gl.constexpr,
-):
-    """Work item ``item``'s small inputs, loaded one item ahead into few registers (1-D layouts
-    spread over the whole program): the buffered decays ``α_j`` and ``α_{j+1}`` [BC] (1 past n),
-    and with ``HAS_X`` the new token's key and query [K], value and skip [V] and decay."""
-    i_b = item // H
-    i_h = item % H
-    hb = (gl.where(s >= 0, s, 0).to(gl.int64) * H + i_h) * C
-    o_c = gl.arange(0, BC, L1)
-    al = gl.load(buf_decay + hb + o_c, mask=o_c < n, other=1.0)
-    al_next = gl.load(buf_decay + hb + o_c + 1, mask=o_c + 1 < n, other=1.0)
-    o_k = gl.arange(0, K, L1)
-    o_v = gl.arange(0, V, L1)
-    live = (s >= 0) & HAS_X
-    xk = (i_b * G + i_h // (H // G)) * K
-    kk = gl.load(k + xk + o_k, mask=live & (o_k < K), other=0.0)
-    qq = gl.load(q + xk + o_k, mask=live & (o_k < K), other=0.0)
-    xw = (i_b * H + i_h) * V
-    ww = gl.load(w + xw + o_v, mask=live & (o_v < V), other=0.0)
-    sw = gl.load(skip + xw + o_v, mask=live & HAS_SKIP & (o_v < V), other=0.0)
-    dd = gl.load(decay + i_b * H + i_h, mask=live, other=1.0)
-    return al, al_next, kk, qq, ww, sw, dd
 
 
 @gluon.jit
@@ -195,7 +101,7 @@ def _sketch_rows(
     stored at ``p_sk`` (the head's sketch rows [M, V]): ``b1``-``b3`` are the chunk's terms of
     ``Rᵀ`` [K, 16] as B operands. The products of the terms of ``Sᵀ`` and ``Rᵀ`` down to
     2⁻⁸⁽ᵀᴱᴿᴹˢ⁻¹⁾ of the largest, one term of ``Sᵀ`` live at a time; ``TERMS`` = 1: ``Sᵀ`` rounded
-    to bf16 times both terms of ``Rᵀ`` (``decode._dot_ff``'s definition)."""
+    to bf16 times both terms of ``Rᵀ`` (``triton_helpers.dot_ff``'s definition)."""
     s1 = St.to(gl.bfloat16)
     a = gl.convert_layout(s1, A_OP)
     acc = mma_v2(a, b1, gl.zeros([V, 16], gl.float32, MMA))
@@ -221,55 +127,23 @@ def _sketch_rows(
 
 
 @gluon.jit
-def _store_state(tile, state, rd, dense, offs, HAS_READ: gl.constexpr, ROWS: gl.constexpr):
-    """A folded head's state tile at ``state + offs`` (``offs`` in the tile's layout) and, with
-    ``HAS_READ``, its read copy at ``rd + offs`` (``ROWS``: only for a dense head, ``dense`` =
-    ``read_rows[head]`` > 0, loaded by the caller): shared by the Gluon flushes."""
-    gl.store(state + offs, tile)
-    if HAS_READ:
-        if ROWS:
-            if dense > 0:
-                gl.store(rd + offs, tile.to(rd.dtype.element_ty))
-        else:
-            gl.store(rd + offs, tile.to(rd.dtype.element_ty))
-
-
-@gluon.jit
 def _store_folded(
-    St,
-    state,
-    rd,
-    dense,
-    sk_head,
-    m,
-    frame_terms,
-    r_cur,
-    head,
-    frame,
-    K: gl.constexpr,
-    V: gl.constexpr,
-    HAS_READ: gl.constexpr,
-    ROWS: gl.constexpr,
-    SKETCH_OUT: gl.constexpr,
-    SKETCH_TERMS: gl.constexpr,
-    MMA: gl.constexpr,
-    A_OP: gl.constexpr,
-    B_OP: gl.constexpr,
-    LS: gl.constexpr,
-    LR: gl.constexpr,
-):
+    St, state, rd, dense, sk_head, m, frame_terms, r_cur, head, frame, K: gl.constexpr, V: gl.constexpr,
+    HAS_READ: gl.constexpr, ROWS: gl.constexpr, SKETCH_OUT: gl.constexpr, SKETCH_TERMS: gl.constexpr,
+    MMA: gl.constexpr, A_OP: gl.constexpr, B_OP: gl.constexpr, LS: gl.constexpr, LR: gl.constexpr,
+):  # fmt: skip
     """The stores of a folded head (``St`` = Sᵀ [V, K] in the MMA layout), shared by the Gluon flushes:
     the state tile S [K, V] at element offset ``head`` of ``state`` (and, with ``HAS_READ``, of the
     read copy ``rd``; ``ROWS``: only for a dense head, ``dense`` > 0), and with ``SKETCH_OUT`` the
     sketch rows ``R_{:m} S`` at ``sk_head``: rows 0-15 from ``r_cur`` (the item's slot of the frame
     ring in shared memory), rows past 16 from ``frame_terms`` of frame ``frame``. ``dense`` and the
-    rank ``m`` come from :func:`_head_flags`, loaded by the caller at the head's start."""
+    rank ``m`` come from ``gluon_helpers.head_flags``, loaded by the caller at the head's start."""
     # through shared memory into rows of V: 16-byte stores, one address per 4 values
     tile = gl.convert_layout(gl.permute(St, [1, 0]), LS)  # S [K, V]
     o_ks = gl.arange(0, K, gl.SliceLayout(1, LS))
     o_vs = gl.arange(0, V, gl.SliceLayout(0, LS))
     offs = o_ks[:, None] * V + o_vs[None, :]
-    _store_state(tile, state + head, rd + head, dense, offs, HAS_READ, ROWS)
+    gh.store_state(tile, state + head, rd + head, dense, offs, HAS_READ, ROWS)
     if SKETCH_OUT:
         if m > 0:  # rows 0-15: their terms were copied with the item's tiles
             b1 = r_cur.slice(0, 16).permute([1, 0]).load(B_OP)
@@ -292,41 +166,13 @@ def _store_folded(
 
 @gluon.jit
 def _flush_pipelined_kernel(
-    state,
-    slots,
-    pos,
-    q,
-    k,
-    w,
-    decay,
-    beta,
-    skip,
-    out,
-    buf_k,
-    buf_w,
-    buf_decay,
-    buf_beta,
-    rd,
-    read_rows,
-    sk,
-    ranks,
-    frames,
-    sk_head_stride,
-    frame_terms,
-    n_items,
-    H: gl.constexpr,
-    G: gl.constexpr,
-    K: gl.constexpr,
-    V: gl.constexpr,
-    C: gl.constexpr,
-    BC: gl.constexpr,
-    HAS_X: gl.constexpr,
-    HAS_SKIP: gl.constexpr,
-    HAS_READ: gl.constexpr,
-    ROWS: gl.constexpr,
-    SKETCH_OUT: gl.constexpr,
-    SKETCH_TERMS: gl.constexpr,
-):
+    state, slots, pos, q, k, w, decay, beta, skip, out, buf_k, buf_w, buf_decay, buf_beta,  # flush_arguments
+    rd, read_rows, sk, ranks, frames, sk_head_stride,
+    frame_terms, n_items,
+    H: gl.constexpr, G: gl.constexpr, K: gl.constexpr, V: gl.constexpr, C: gl.constexpr, BC: gl.constexpr,
+    HAS_X: gl.constexpr, HAS_SKIP: gl.constexpr, HAS_READ: gl.constexpr, ROWS: gl.constexpr,
+    SKETCH_OUT: gl.constexpr, SKETCH_TERMS: gl.constexpr,
+):  # fmt: skip
     """The flush over ``n_items`` work items (see the module docstring); the arguments are the
     chunked flush's (``beta``, ``buf_beta``: unused, Mamba-2 has none; ``frames``: unused, the
     sketch reads ``SketchTables.frame_terms``), then ``frame_terms``."""
@@ -361,83 +207,43 @@ def _flush_pipelined_kernel(
     o_c1 = gl.arange(0, BC, L1)
     # the first item's copies and small inputs, and the next item's slot: then, in each iteration,
     # the next item's copies and small inputs and the slot of the one after, a step ahead of use
-    s_c, n_c = _entry(slots, pos, pid, n_items, H)
+    s_c, n_c = gh.work_item(slots, pos, pid, n_items, H)
     _issue(
-        state,
-        buf_k,
-        buf_w,
-        ranks,
-        frame_terms,
-        pid,
-        s_c,
-        n_c,
-        s_smem,
-        k_smem,
-        w_smem,
-        r_next,
-        H,
-        G,
-        K,
-        V,
-        C,
-        BC,
-        LS,
-        LB,
-        SKETCH_OUT,
-        SKETCH_TERMS,
-    )
+        state, buf_k, buf_w, ranks, frame_terms, pid, s_c, n_c, s_smem, k_smem, w_smem, r_next, H, G, K, V, C,
+        BC, LS, LB, SKETCH_OUT, SKETCH_TERMS,
+    )  # fmt: skip
     al, al_next, kk, qq, ww, sw, dd = _small_inputs(
         k, q, w, decay, skip, buf_decay, pid, s_c, n_c, H, G, K, V, C, BC, L1, HAS_X, HAS_SKIP
     )
-    s_n, n_n = _entry(slots, pos, pid + progs, n_items, H)
+    s_n, n_n = gh.work_item(slots, pos, pid + progs, n_items, H)
     cur = 0  # this item's slot of r_ring
     for item in range(pid, n_items, progs):
         i_b = item // H
         i_h = item % H
         i_g = i_h // (H // G)
-        m_c, r_c = _head_flags(ranks, read_rows, item, H, SKETCH_OUT, ROWS)  # for the stores
+        m_c, r_c = gh.head_flags(ranks, read_rows, item, H, SKETCH_OUT, ROWS)  # for the stores
         async_copy.wait_group(0)
-        _barrier()
+        gh.barrier()
         St = s_smem.permute([1, 0]).load(MMA)  # Sᵀ [V, K]
         kb = k_smem.load(B_OP)  # [BC, K]
         wt = w_smem.permute([1, 0]).load(LT).to(gl.float32)  # Wᵀ [V, BC]
-        _barrier()
+        gh.barrier()
         # the next head's copies run while this one is folded and stored
         if SKETCH_OUT:
             r_next = r_ring.index(1 - cur)
         nxt = item + progs
         _issue(
-            state,
-            buf_k,
-            buf_w,
-            ranks,
-            frame_terms,
-            nxt,
-            s_n,
-            n_n,
-            s_smem,
-            k_smem,
-            w_smem,
-            r_next,
-            H,
-            G,
-            K,
-            V,
-            C,
-            BC,
-            LS,
-            LB,
-            SKETCH_OUT,
-            SKETCH_TERMS,
-        )
+            state, buf_k, buf_w, ranks, frame_terms, nxt, s_n, n_n, s_smem, k_smem, w_smem, r_next, H, G, K,
+            V, C, BC, LS, LB, SKETCH_OUT, SKETCH_TERMS,
+        )  # fmt: skip
         nxt = gl.where(nxt < n_items, nxt, 0)
         al_n, al_next_n, kk_n, qq_n, ww_n, sw_n, dd_n = _small_inputs(
             k, q, w, decay, skip, buf_decay, nxt, s_n, n_n, H, G, K, V, C, BC, L1, HAS_X, HAS_SKIP
         )
-        s_nn, n_nn = _entry(slots, pos, item + 2 * progs, n_items, H)
+        s_nn, n_nn = gh.work_item(slots, pos, item + 2 * progs, n_items, H)
         if s_c >= 0:
             s64 = s_c.to(gl.int64)
-            g = gl.associative_scan(al_next, 0, _mul, reverse=True)
+            g = gl.associative_scan(al_next, 0, gh.mul, reverse=True)
             total = gl.sum(gl.where(o_c1 == 0, g * al, 0.0), axis=0)
             a1, a2, a3 = _split3(wt * gl.convert_layout(g, gl.SliceLayout(0, LT))[None, :])
             St = St * total
@@ -459,69 +265,56 @@ def _flush_pipelined_kernel(
                 r_cur = k_smem  # (not read)
             # one 64-bit base per head, 32-bit offsets within it
             _store_folded(
-                St,
-                state,
-                rd,
-                r_c,
-                sk + (s64 * H + i_h) * sk_head_stride,
-                m_c,
-                frame_terms,
-                r_cur,
-                (s64 * H + i_h) * (K * V),
-                i_g,
-                K,
-                V,
-                HAS_READ,
-                ROWS,
-                SKETCH_OUT,
-                SKETCH_TERMS,
-                MMA,
-                A_OP,
-                B_OP,
-                LS,
-                LR,
-            )
+                St, state, rd, r_c, sk + (s64 * H + i_h) * sk_head_stride, m_c, frame_terms, r_cur,
+                (s64 * H + i_h) * (K * V), i_g, K, V, HAS_READ, ROWS, SKETCH_OUT, SKETCH_TERMS, MMA, A_OP,
+                B_OP, LS, LR,
+            )  # fmt: skip
         s_c, n_c, s_n, n_n = s_n, n_n, s_nn, n_nn
         al, al_next, kk, qq, ww, sw, dd = al_n, al_next_n, kk_n, qq_n, ww_n, sw_n, dd_n
         cur = 1 - cur
     async_copy.wait_group(0)
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+@gluon.jit
+def _small_inputs(
+    k, q, w, decay, skip, buf_decay, item, s, n, H: gl.constexpr, G: gl.constexpr, K: gl.constexpr,
+    V: gl.constexpr, C: gl.constexpr, BC: gl.constexpr, L1: gl.constexpr, HAS_X: gl.constexpr,
+    HAS_SKIP: gl.constexpr,
+):  # fmt: skip
+    """Work item ``item``'s small inputs, loaded one item ahead into few registers (1-D layouts
+    spread over the whole program): the buffered decays ``α_j`` and ``α_{j+1}`` [BC] (1 past n),
+    and with ``HAS_X`` the new token's key and query [K], value and skip [V] and decay."""
+    i_b = item // H
+    i_h = item % H
+    hb = (gl.where(s >= 0, s, 0).to(gl.int64) * H + i_h) * C
+    o_c = gl.arange(0, BC, L1)
+    al = gl.load(buf_decay + hb + o_c, mask=o_c < n, other=1.0)
+    al_next = gl.load(buf_decay + hb + o_c + 1, mask=o_c + 1 < n, other=1.0)
+    o_k = gl.arange(0, K, L1)
+    o_v = gl.arange(0, V, L1)
+    live = (s >= 0) & HAS_X
+    xk = (i_b * G + i_h // (H // G)) * K
+    kk = gl.load(k + xk + o_k, mask=live & (o_k < K), other=0.0)
+    qq = gl.load(q + xk + o_k, mask=live & (o_k < K), other=0.0)
+    xw = (i_b * H + i_h) * V
+    ww = gl.load(w + xw + o_v, mask=live & (o_v < V), other=0.0)
+    sw = gl.load(skip + xw + o_v, mask=live & HAS_SKIP & (o_v < V), other=0.0)
+    dd = gl.load(decay + i_b * H + i_h, mask=live, other=1.0)
+    return al, al_next, kk, qq, ww, sw, dd
 
 
-def persistent_grid(n_items: int, per_sm: int, device: torch.device) -> tuple[int]:
-    """The grid of a persistent kernel: ``per_sm`` programs per SM of ``device``, at most one per
-    work item (and at least one program)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return (max(1, min(n_items, per_sm * _sm_count(index))),)
-
-
-def launch_persistent(
-    kernel,
-    args: tuple,
-    frame_terms: torch.Tensor,
-    *,
-    batch: int,
-    per_sm: int,
-    num_warps: int,
-    maxnreg: int = 0,
-    parts: int = 1,
-    **constexprs,
-) -> None:
-    """Launch a persistent Gluon flush ``kernel`` on ``per_sm`` programs per SM (:func:`persistent_grid`)
-    over its ``batch`` × H × ``parts`` work items (``parts`` per head): ``args`` are the chunked
-    flush's arguments (``decode.flush``), then ``frame_terms`` (``SketchTables.frame_terms``; any
-    tensor when not ``SKETCH_OUT``) and the item count; ``constexprs`` the kernel's (H among them)."""
-    n_items = batch * constexprs["H"] * parts
-    options = {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})}
-    grid = persistent_grid(n_items, per_sm, args[0].device)
-    kernel[grid](*args, frame_terms, n_items, **constexprs, **options)
-
-
-def launch(args: tuple, frame_terms: torch.Tensor, **options) -> None:
-    """Launch this module's kernel (:func:`launch_persistent`'s options; constexprs H, G, K, V, C,
-    BC, HAS_X, HAS_SKIP, HAS_READ, ROWS, SKETCH_OUT, SKETCH_TERMS)."""
-    launch_persistent(_flush_pipelined_kernel, args, frame_terms, **options)
+def launch(
+    family: str, pool: DecodePool, tables: SketchTables | None, slots: Tensor, pos: Tensor,
+    x: StepInputs | None, out: Tensor | None, cfg,
+) -> None:  # fmt: skip
+    """:func:`_flush_pipelined_kernel` on ``cfg.per_sm`` programs per SM over the batch's heads,
+    for a checked Mamba-2 window pool (and new token) with bf16 buffered inputs on a CUDA device."""
+    sketch = tables is not None
+    sk = pool.sketch if sketch else pool.state
+    gh.launch_persistent(
+        _flush_pipelined_kernel, flush_arguments(pool, tables, slots, pos, x, out),
+        tables.frame_terms if sketch else pool.buf_decay, H=pool.heads, G=pool.buf_k.shape[1],
+        K=pool.state.shape[2], V=pool.state.shape[3], C=pool.capacity, BC=buffer_block(pool.capacity),
+        **flush_flags(pool, tables, x), SKETCH_TERMS=sketch_terms(sk.dtype), batch=slots.shape[0],
+        per_sm=cfg.per_sm, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
+    )  # fmt: skip

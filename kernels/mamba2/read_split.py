@@ -6,8 +6,8 @@ A Mamba-2 read (one new token, ``n`` buffered ones, scalar decays) is
 
 with ``g_j = α_{j+1}⋯α_{n−1}``. Everything that is a reduction over K (the dots ``k_j·q`` and the
 coefficients ``P q``) depends only on the group's keys and query, and the head's map; what is
-left per head is a weighted sum of [V] rows. The one-kernel read (``decode._read_kernel``)
-computes the dots again in each of the group's H/G heads, each ending in a shuffle reduction.
+left per head is a weighted sum of [V] rows. The one-kernel read (``common/read.py``) computes
+the dots again in each of the group's H/G heads, each ending in a shuffle reduction.
 Here:
 
 1. :func:`_group_kernel`, two kinds of program in one launch:
@@ -24,10 +24,12 @@ Here:
    coefficients. A dense head (rank 0) reads its read copy with ``q`` as the one-kernel read does.
 
 Both are programmatic dependent launches; the second waits for the first's writes
-(``_dependent_launch``), so a step is still two launches in one stream, with no host sync, and
+(``dependent_launch``), so a step is still two launches in one stream, with no host sync, and
 can be captured in a CUDA graph. Each loads what does not depend on the kernel before it (the
 tables; all but the workspace) before it waits, so those loads overlap that kernel's end.
-BENCHMARKS.md ("Ninth session") has the timings of these choices.
+
+Where it cannot run (several tokens: ``spec_verify``; a pool without a workspace; replay mode) the
+dispatch takes the one-kernel read with the same launch shape (:func:`usable`).
 """
 
 from __future__ import annotations
@@ -37,20 +39,20 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from sketchcal.kernels.common.decode import (
-    KernelConfig,
-    _buffer_block,
-    _decay_products,
-    _dense_read,
-    _dependent_launch,
-    _dot_ff,
-    _dot_fk,
-    _entry_slot,
-    _interpreting,
-    _launch_options,
-)
 from sketchcal.kernels.common.pool import DecodePool, SketchTables, workspace_layout
 from sketchcal.kernels.common.recurrence import StepInputs
+from sketchcal.kernels.common.triton_helpers import (
+    buffer_block,
+    clip_block_v,
+    decay_products,
+    dense_read,
+    dependent_launch,
+    dot_ff,
+    dot_fk,
+    entry_slot,
+    interpreting,
+    launch_options,
+)
 
 COLUMNS = 32  # coefficient columns per program of the group kernel: a [32, K] tile of the maps
 ROWS = 16  # batch entries per coefficient program (the tensor-core tile's N)
@@ -58,31 +60,11 @@ ROWS = 16  # batch entries per coefficient program (the tensor-core tile's N)
 
 @triton.jit
 def _group_kernel(
-    slots,
-    pos,
-    q,
-    k,
-    buf_k,
-    ws,
-    group_maps,
-    group_cols,
-    group_width,
-    B,
-    G: tl.constexpr,
-    K: tl.constexpr,
-    C: tl.constexpr,
-    BC: tl.constexpr,
-    R: tl.constexpr,
-    RB: tl.constexpr,
-    BB: tl.constexpr,
-    DG: tl.constexpr,
-    NO_DOTS: tl.constexpr,
-    WS: tl.constexpr,
-    DOTS: tl.constexpr,
-    Q_BF16: tl.constexpr,
-    EMULATE: tl.constexpr,
+    slots, pos, q, k, buf_k, ws, group_maps, group_cols, group_width, B, G: tl.constexpr, K: tl.constexpr,
+    C: tl.constexpr, BC: tl.constexpr, R: tl.constexpr, RB: tl.constexpr, BB: tl.constexpr, DG: tl.constexpr,
+    NO_DOTS: tl.constexpr, WS: tl.constexpr, DOTS: tl.constexpr, Q_BF16: tl.constexpr, EMULATE: tl.constexpr,
     PDL: tl.constexpr,
-):
+):  # fmt: skip
     """Grid (B·G/DG + G·⌈B/BB⌉·⌈R/RB⌉,), two kinds of program. ``ws`` row (slot, group):
     ``[coefficients (H/G)·M | dots C + 1]``, the dots starting at ``DOTS``.
 
@@ -99,10 +81,10 @@ def _group_kernel(
     o_k = tl.arange(0, K)
     n_dot = 0 if NO_DOTS else B * (G // DG)
     if i < n_dot:
-        _dependent_launch(PDL)
+        dependent_launch(PDL)
         i_b = i // (G // DG)
         o_g = (i % (G // DG)) * DG + tl.arange(0, DG)
-        live, s, p = _entry_slot(slots, pos, i_b)
+        live, s, p = entry_slot(slots, pos, i_b)
         o_c = tl.arange(0, BC)
         x = (i_b * G + o_g)[:, None] * K + o_k[None, :]  # [DG, K]
         qq = tl.load(q + x).to(tl.float32)
@@ -138,7 +120,7 @@ def _group_kernel(
         # no step writes the tables: they are loaded before waiting for the kernel before
         pm = tl.load(group_maps + (i_g * R + cols[:, None]) * K + o_k[None, :], mask=used[:, None], other=0.0)
         dst = tl.load(group_cols + i_g * R + cols, mask=used, other=-1)
-        _dependent_launch(PDL)
+        dependent_launch(PDL)
         o_b = (((i - n_dot) % tiles) // NR) * BB + tl.arange(0, BB)
         s_in = tl.load(slots + o_b, mask=o_b < B, other=-1)
         # no dot programs: the first column tile appends the new keys (two ifs: the first is
@@ -160,9 +142,9 @@ def _group_kernel(
             qt = tl.load(q + (o_b[None, :] * G + i_g) * K + o_k[:, None], mask=o_b[None, :] < B, other=0.0)
             coef = tl.zeros((RB, BB), dtype=tl.float32)
             if Q_BF16:
-                coef = _dot_fk(pm, qt, coef, True, EMULATE)
+                coef = dot_fk(pm, qt, coef, True, EMULATE)
             else:
-                coef = _dot_ff(pm, qt.to(tl.float32), coef, 3, EMULATE)
+                coef = dot_ff(pm, qt.to(tl.float32), coef, 3, EMULATE)
             tl.store(
                 ws + (s[None, :] * G + i_g) * WS + dst[:, None],
                 coef,
@@ -172,38 +154,11 @@ def _group_kernel(
 
 @triton.jit
 def _head_kernel(
-    slots,
-    pos,
-    q,
-    k,
-    w,
-    decay,
-    skip,
-    out,
-    buf_k,
-    buf_w,
-    buf_decay,
-    rd,
-    sk,
-    ranks,
-    ws,
-    sk_head_stride,
-    H: tl.constexpr,
-    G: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BV: tl.constexpr,
-    HP: tl.constexpr,
-    C: tl.constexpr,
-    BC: tl.constexpr,
-    M: tl.constexpr,
-    WS: tl.constexpr,
-    DOTS: tl.constexpr,
-    DOTS_HERE: tl.constexpr,
-    HAS_SKIP: tl.constexpr,
-    DENSE_ROWS: tl.constexpr,
-    PDL: tl.constexpr,
-):
+    slots, pos, q, k, w, decay, skip, out, buf_k, buf_w, buf_decay, rd, sk, ranks, ws, sk_head_stride,
+    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, HP: tl.constexpr,
+    C: tl.constexpr, BC: tl.constexpr, M: tl.constexpr, WS: tl.constexpr, DOTS: tl.constexpr,
+    DOTS_HERE: tl.constexpr, HAS_SKIP: tl.constexpr, DENSE_ROWS: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
     """Grid (V // BV, H // HP, B): ``HP`` heads of one key group per program, as the leading
     dimension of every tile (two [HP, BC/2, BV] halves of the buffered w, [HP, 8, BV] sketch rows),
     so that their loads issue together and a reduction over rows stays inside a warp's tile. The
@@ -211,7 +166,7 @@ def _head_kernel(
     average.
 
     Only the workspace is the group kernel's output: everything else is loaded before waiting for
-    it (``_dependent_launch``), so those loads overlap its run. They come from kernels before it,
+    it (``dependent_launch``), so those loads overlap its run. They come from kernels before it,
     which have finished by then, since the group kernel waits before letting this one launch.
     ``DOTS_HERE``: the group's dots ``k_j·q`` are computed here too, before that wait (the buffered
     keys it reads, j < n, are not the ones the group kernel appends)."""
@@ -222,7 +177,7 @@ def _head_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     o_r8 = tl.arange(0, 8)
     # no early exit for padding (as in the one-kernel read): it reads slot 0, stores nothing
-    live, s, p = _entry_slot(slots, pos, i_b)
+    live, s, p = entry_slot(slots, pos, i_b)
     m = tl.load(ranks + o_hp)  # [HP]
     x = i_b * H + o_hp
     w_new = tl.load(w + x[:, None] * V + o_v[None, :]).to(tl.float32)
@@ -259,9 +214,9 @@ def _head_kernel(
         kb_u = tl.load(buf_k + (gb + o_u[:, None]) * K + o_k[None, :], mask=o_u[:, None] < p, other=0.0)
         z_l = tl.sum(kb_l.to(tl.float32) * qk[None, :], axis=1)
         z_new = tl.sum(tl.load(k + x_g).to(tl.float32) * qk, axis=0)
-        _dependent_launch(PDL)
+        dependent_launch(PDL)
     else:
-        _dependent_launch(PDL)
+        dependent_launch(PDL)
         z_l = tl.load(row + DOTS + o_l, mask=o_l < p, other=0.0)
         z_new = tl.load(row + DOTS + p)
     c_h = row + (o_hp % (H // G)) * M  # [HP] each head's coefficients
@@ -276,7 +231,7 @@ def _head_kernel(
         tl.store(buf_decay + hb + p, d_new.to(buf_decay.dtype.element_ty), mask=o_hp < tl.where(ok, H, 0))
     # the products over the whole [HP, BC] tile, then split in halves: Triton 3.6 fails an assertion
     # lowering the scan of an [HP, BC/2] tile in some layouts (2 heads per program, fp8 sketch)
-    g, total = _decay_products(al, al_next, o_c[None, :] == 0, 1)  # [HP, BC], [HP]
+    g, total = decay_products(al, al_next, o_c[None, :] == 0, 1)  # [HP, BC], [HP]
     g_l, g_u = tl.split(tl.permute(tl.reshape(g, (HP, 2, BC // 2)), (0, 2, 1)))
     acc = tl.sum((g_l * z_l[None, :])[:, :, None] * wb_l.to(tl.float32), axis=1)  # [HP, BV]
     if p > BC // 2:
@@ -301,7 +256,7 @@ def _head_kernel(
         for j in tl.static_range(HP):
             i_h = tl.program_id(1) * HP + j
             if tl.load(ranks + i_h) == 0:
-                dense = _dense_read(qq, rd + (s * H + i_h) * (K * V), o_k, o_v, V, K, DENSE_ROWS)
+                dense = dense_read(qq, rd + (s * H + i_h) * (K * V), o_k, o_v, V, K, DENSE_ROWS)
                 ck = tl.where((o_hp == i_h)[:, None], dense[None, :], ck)
     o = z_new * w_new + d_new[:, None] * (acc + total[:, None] * ck)
     if HAS_SKIP:
@@ -313,28 +268,27 @@ def _head_kernel(
     )
 
 
-def usable(family: str, pool: DecodePool, tables: SketchTables, tokens: int) -> bool:
-    """Whether a sketch read can take the split form: Mamba-2, one token, a pool with a workspace
-    (``allocate_pool`` gives Mamba-2 sketch pools one) and tables packed for Mamba-2."""
-    return family == "mamba2" and tokens == 1 and pool.workspace is not None and tables.group_maps is not None
+def usable(family: str, pool: DecodePool, tables: SketchTables | None, tokens: int) -> bool:
+    """Whether a read can take the split form: a Mamba-2 sketch read of one token, from a pool with
+    a workspace (``allocate_pool`` gives Mamba-2 sketch pools one) and tables packed for Mamba-2."""
+    return (
+        family == "mamba2"
+        and tables is not None
+        and tokens == 1
+        and pool.workspace is not None
+        and tables.group_maps is not None
+    )
 
 
 def launch(
-    pool: DecodePool,
-    tables: SketchTables,
-    slots: Tensor,
-    pos: Tensor,
-    x: StepInputs,
-    out: Tensor,
-    cfg: KernelConfig,
-    block_v: int,
-    dense_rows: int,
-) -> None:
-    """The split sketch read of one token (``usable`` is True): :func:`launch_group` with
-    ``cfg.split`` warps per program, then :func:`launch_heads` with ``cfg.num_warps`` warps and
-    ``cfg.heads`` heads per program."""
+    family: str, pool: DecodePool, tables: SketchTables, slots: Tensor, pos: Tensor, x: StepInputs,
+    out: Tensor, cfg,
+) -> None:  # fmt: skip
+    """The split sketch read of one token (:func:`usable` is True): :func:`launch_group` with
+    ``cfg.coef_warps`` warps per program, then :func:`launch_heads` with ``cfg.num_warps`` warps and
+    ``cfg.heads`` heads per program (neither takes a register cap)."""
     launch_group(pool, tables, slots, pos, x, cfg)
-    launch_heads(pool, tables, slots, pos, x, out, cfg, block_v, dense_rows)
+    launch_heads(pool, tables, slots, pos, x, out, cfg)
 
 
 def _workspace_layout(pool: DecodePool, tables: SketchTables, groups: int) -> tuple[int, int]:
@@ -357,59 +311,26 @@ def _dividing_power_of_two(at_most: int, n: int) -> int:
 
 
 def launch_group(
-    pool: DecodePool,
-    tables: SketchTables,
-    slots: Tensor,
-    pos: Tensor,
-    x: StepInputs,
-    cfg: KernelConfig,
-) -> None:
-    """:func:`_group_kernel`, ``cfg.split`` warps per program and ``cfg.dots`` key groups per
+    pool: DecodePool, tables: SketchTables, slots: Tensor, pos: Tensor, x: StepInputs, cfg,
+) -> None:  # fmt: skip
+    """:func:`_group_kernel`, ``cfg.coef_warps`` warps per program and ``cfg.dots`` key groups per
     dot program: appends the new keys; the workspace gets the dots and coefficients."""
     b, _, g, kd = x.k.shape
     width, dots = _workspace_layout(pool, tables, g)
     r = tables.group_maps.shape[1]
-    dg, warps = _dividing_power_of_two(max(cfg.dots, 1), g), cfg.split
+    dg = _dividing_power_of_two(max(cfg.dots, 1), g)
     tiles = -(-b // ROWS) * -(-r // COLUMNS)
     _group_kernel[((b * (g // dg) if cfg.dots else 0) + g * tiles,)](
-        slots,
-        pos,
-        x.q,
-        x.k,
-        pool.buf_k,
-        pool.workspace,
-        tables.group_maps,
-        tables.group_cols,
-        tables.group_width,
-        b,
-        G=g,
-        K=kd,
-        C=pool.capacity,
-        BC=_buffer_block(pool.capacity),
-        R=r,
-        RB=COLUMNS,
-        BB=ROWS,
-        DG=dg,
-        NO_DOTS=cfg.dots == 0,
-        WS=width,
-        DOTS=dots,
-        Q_BF16=x.q.dtype == torch.bfloat16,
-        EMULATE=_interpreting(),
-        **_launch_options(KernelConfig(1, warps), pool.state.device),
-    )
+        slots, pos, x.q, x.k, pool.buf_k, pool.workspace, tables.group_maps, tables.group_cols,
+        tables.group_width, b, G=g, K=kd, C=pool.capacity, BC=buffer_block(pool.capacity), R=r, RB=COLUMNS,
+        BB=ROWS, DG=dg, NO_DOTS=cfg.dots == 0, WS=width, DOTS=dots, Q_BF16=x.q.dtype == torch.bfloat16,
+        EMULATE=interpreting(), **launch_options(cfg.coef_warps, 0, pool.state.device),
+    )  # fmt: skip
 
 
 def launch_heads(
-    pool: DecodePool,
-    tables: SketchTables,
-    slots: Tensor,
-    pos: Tensor,
-    x: StepInputs,
-    out: Tensor,
-    cfg: KernelConfig,
-    block_v: int,
-    dense_rows: int,
-) -> None:
+    pool: DecodePool, tables: SketchTables, slots: Tensor, pos: Tensor, x: StepInputs, out: Tensor, cfg,
+) -> None:  # fmt: skip
     """:func:`_head_kernel` over (V / BV, H / ``heads``, B), after :func:`launch_group`: appends
     w and the decays; writes ``out``."""
     b, _, g, kd = x.k.shape
@@ -417,36 +338,11 @@ def launch_heads(
     width, dots = _workspace_layout(pool, tables, g)
     sk = pool.sketch
     hp = _dividing_power_of_two(cfg.heads, h // g)
+    block_v = clip_block_v(cfg.block_v, vd)
     _head_kernel[(vd // block_v, h // hp, b)](
-        slots,
-        pos,
-        x.q,
-        x.k,
-        x.w,
-        x.decay,
-        x.skip if x.skip is not None else x.w,
-        out,
-        pool.buf_k,
-        pool.buf_w,
-        pool.buf_decay,
-        pool.read,
-        sk,
-        tables.ranks,
-        pool.workspace,
-        sk.shape[2] * sk.shape[3],
-        H=h,
-        G=g,
-        K=kd,
-        V=vd,
-        BV=block_v,
-        HP=hp,
-        C=pool.capacity,
-        BC=_buffer_block(pool.capacity),
-        M=tables.map_rows,
-        WS=width,
-        DOTS=dots,
-        DOTS_HERE=cfg.dots == 0,
-        HAS_SKIP=x.skip is not None,
-        DENSE_ROWS=dense_rows,
-        **_launch_options(KernelConfig(1, cfg.num_warps), pool.state.device),
-    )
+        slots, pos, x.q, x.k, x.w, x.decay, x.skip if x.skip is not None else x.w, out, pool.buf_k,
+        pool.buf_w, pool.buf_decay, pool.read, sk, tables.ranks, pool.workspace, sk.shape[2] * sk.shape[3],
+        H=h, G=g, K=kd, V=vd, BV=block_v, HP=hp, C=pool.capacity, BC=buffer_block(pool.capacity),
+        M=tables.map_rows, WS=width, DOTS=dots, DOTS_HERE=cfg.dots == 0, HAS_SKIP=x.skip is not None,
+        DENSE_ROWS=min(cfg.dense_rows, kd), **launch_options(cfg.num_warps, 0, pool.state.device),
+    )  # fmt: skip

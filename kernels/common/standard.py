@@ -1,0 +1,58 @@
+"""The standard decode step (the baseline), shared by the three families.
+
+Per program (grid ``(V / BV, H, B)``): one slot's [K, BV] fp32 state tile, read once, advanced
+through the T tokens ``S ← A S + k wᵀ``, ``o = Sᵀ q (+ skip)`` each, and written back. State
+[N, H, K, V] fp32; inputs in the kernel layout of ``common/pool.py``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from sketchcal.kernels.common.recurrence import StepInputs
+from sketchcal.kernels.common.triton_helpers import (
+    FAMILY_ID,
+    beta_or_placeholder,
+    clip_block_v,
+    dependent_launch,
+    head_tile,
+    launch_options,
+    program_slot,
+    step_emit,
+)
+
+
+@triton.jit
+def _standard_kernel(
+    state, slots, q, k, w, decay, beta, skip, out,
+    T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+    FAMILY: tl.constexpr, HAS_SKIP: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    dependent_launch(PDL)
+    i_v, i_h, i_b, s = program_slot(slots)
+    if s < 0:
+        return
+    i_g, o_k, o_v = head_tile(i_v, i_h, H, G, K, BV)
+    p_s = state + (s * H + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :]
+    S = tl.load(p_s, eviction_policy="evict_first")
+    live = s >= 0
+    for t in tl.static_range(T):
+        x_t = i_b * T + t
+        S = step_emit(
+            S, q, k, w, decay, beta, skip, out, x_t, i_h, i_g, o_k, o_v, live, H, G, K, V, FAMILY, HAS_SKIP, 0
+        )
+    tl.store(p_s, S, eviction_policy="evict_first")
+
+
+def launch(family: str, state: Tensor, slots: Tensor, x: StepInputs, out: Tensor, cfg) -> None:
+    """:func:`_standard_kernel` over (V / BV, H, B) for a checked ``state`` [N, H, K, V] and inputs."""
+    b, t, g, kd = x.k.shape
+    h, vd = state.shape[1], state.shape[3]
+    bv = clip_block_v(cfg.block_v, vd)
+    _standard_kernel[(vd // bv, h, b)](
+        state, slots, x.q, x.k, x.w, x.decay, beta_or_placeholder(x), x.skip if x.skip is not None else x.w,
+        out, T=t, H=h, G=g, K=kd, V=vd, BV=bv, FAMILY=FAMILY_ID[family], HAS_SKIP=x.skip is not None,
+        **launch_options(cfg.num_warps, cfg.maxnreg, state.device),
+    )  # fmt: skip
