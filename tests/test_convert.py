@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from synthetic_stats import gdn_layers, tiny_gdn_model, write_synthetic_stats
 
 from sketchcal.artifact import config_fingerprint, convert, inspect, load_stats, read_sketch
-from sketchcal.artifact.synthetic import gdn_layers, tiny_gdn_model, write_synthetic_stats
 from sketchcal.errors import SketchcalError
 from sketchcal.fit.evaluate import compare_shrinkage, heldout_errors
 from sketchcal.fit.ranks import candidate_ranks

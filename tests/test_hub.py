@@ -184,8 +184,9 @@ def hub(online):
 
 def make_model_dir(root: Path) -> Path:
     """A small converted model (tiny Qwen3-Next, synthetic statistics) whose base is a Hub id."""
+    from synthetic_stats import gdn_layers, tiny_gdn_model, write_synthetic_stats
+
     from sketchcal.artifact import config_fingerprint, convert
-    from sketchcal.artifact.synthetic import gdn_layers, tiny_gdn_model, write_synthetic_stats
 
     cfg = tiny_gdn_model(root / "base")
     stats = write_synthetic_stats(

@@ -40,7 +40,7 @@ def fit_all(
     seed: int = 0,
     on_layer: Callable[[int], None] | None = None,
 ) -> list[LayerFit]:
-    """Fit every layer of a :class:`~sketchcal.artifact.stats.Stats`, one layer in memory at a time
+    """Fit every layer of a :class:`~sketchcal.formats.stats.Stats`, one layer in memory at a time
     (moments and held-out windows are read, fitted and dropped). ``on_layer(layer)`` is called after
     each layer (progress)."""
     gen = torch.Generator().manual_seed(seed)
@@ -106,7 +106,7 @@ def heldout_errors(
     """Mean held-out relative read error per basis kind and uniform rank.
 
     Args:
-        stats: a :class:`~sketchcal.artifact.stats.Stats` or a statistics directory.
+        stats: a :class:`~sketchcal.formats.stats.Stats` or a statistics directory.
         kinds: basis kinds to fit (``"state"``, ``"pca"``, ``"random"``).
         ranks: ranks to score (default: every supported non-zero rank below the largest K).
         source: ``"measured"`` (the verbatim held-out windows) or ``"moments"`` (predicted from the
@@ -120,7 +120,7 @@ def heldout_errors(
         ``{kind: {rank: mean relative error}}``.
     """
     if isinstance(stats, str | Path):
-        from sketchcal.artifact.stats import load_stats
+        from sketchcal.formats.stats import load_stats
 
         stats = load_stats(stats)
     return {kind: _kind_table(stats, kind, ranks, source, coef, shrinkage, seed) for kind in kinds}
@@ -139,7 +139,7 @@ def compare_shrinkage(
     Returns ``{method: {rank: mean relative error}}``; lower is better.
     """
     if isinstance(stats, str | Path):
-        from sketchcal.artifact.stats import load_stats
+        from sketchcal.formats.stats import load_stats
 
         stats = load_stats(stats)
     return {
