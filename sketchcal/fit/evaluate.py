@@ -16,6 +16,7 @@ import torch
 from sketchcal.errors import SketchcalError
 from sketchcal.fit.layer import LayerFit, fit_layer
 from sketchcal.fit.ranks import candidate_ranks
+from sketchcal.formats.stats import Stats, load_stats
 
 
 def _score(fit: LayerFit, source: str, m: int) -> list[float]:
@@ -93,8 +94,12 @@ def _kind_table(
     return min(tables, key=mean)
 
 
+def _opened(stats: Stats | str | Path) -> Stats:
+    return load_stats(stats) if isinstance(stats, str | Path) else stats
+
+
 def heldout_errors(
-    stats,
+    stats: Stats | str | Path,
     kinds: Sequence[str] = ("state", "pca", "random"),
     ranks: Sequence[int] | None = None,
     *,
@@ -119,29 +124,24 @@ def heldout_errors(
     Returns:
         ``{kind: {rank: mean relative error}}``.
     """
-    if isinstance(stats, str | Path):
-        from sketchcal.formats.stats import load_stats
-
-        stats = load_stats(stats)
+    stats = _opened(stats)
     return {kind: _kind_table(stats, kind, ranks, source, coef, shrinkage, seed) for kind in kinds}
 
 
 def compare_shrinkage(
-    stats,
+    stats: Stats | str | Path,
     methods: Sequence[str] = ("ledoit_wolf", "oas", "none"),
     ranks: Sequence[int] | None = None,
     *,
     source: str = "measured",
     basis: str = "state",
 ) -> dict[str, dict[int, float]]:
-    """Mean held-out relative read error per shrinkage estimator and uniform rank (state basis).
+    """Mean held-out relative read error per shrinkage estimator and uniform rank (state basis);
+    ``ranks``, ``source`` as for :func:`heldout_errors`.
 
     Returns ``{method: {rank: mean relative error}}``; lower is better.
     """
-    if isinstance(stats, str | Path):
-        from sketchcal.formats.stats import load_stats
-
-        stats = load_stats(stats)
+    stats = _opened(stats)
     return {
         meth: _table(fit_all(stats, basis=basis, coef="state", shrinkage=meth, seed=0), ranks, source)
         for meth in methods

@@ -6,7 +6,7 @@ Public API::
            prefill=None, compute_dtype="fp32", probe=None) -> Runtime
     enabled(model, artifact=None, mode="sketch", **kw)      # context manager
     disable(model); runtime_of(model) -> Runtime | None
-    make_state(mode, family, state, *, window=16, precision=Precision(), tables=None) -> DecodeState
+    make_state(mode, family, state, *, tables=None, window=16, precision=Precision()) -> DecodeState
     StandardState / WindowState: step(x), draft(x), accept(k), state()
     layer_tables(sketch_layer, family=..., heads=H, key_dim=K) -> SketchTables; Precision; parse_dtype
 

@@ -27,7 +27,7 @@ Every number comes from :mod:`sketchcal.kernels.common.recurrence` (``recurrence
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -306,21 +306,21 @@ def make_state(
     family: Family | str,
     state: Tensor,
     *,
-    window: int = DEFAULT_WINDOW,
-    precision: Precision = Precision(),
     tables: SketchTables | None = None,
-    layer: int | None = None,
-    probe: Probe | None = None,
+    **options: Any,
 ) -> DecodeState:
-    """A decode state in ``mode`` starting from ``state`` [B, H, K, V] (the first checkpoint)."""
+    """A decode state in ``mode`` starting from ``state`` [B, H, K, V] (the first checkpoint).
+
+    ``options`` are the state's own keywords: ``precision``, ``layer``, ``probe`` and ``window``
+    (which ``standard`` mode has no use for); ``tables`` are the sketch's, for ``sketch`` mode.
+    """
     if mode == "standard":
-        return StandardState(family, state, precision=precision, layer=layer, probe=probe)
+        options.pop("window", None)
+        return StandardState(family, state, **options)
     if mode == "replay":
-        return WindowState(family, state, window=window, precision=precision, layer=layer, probe=probe)
+        return WindowState(family, state, **options)
     if mode == "sketch":
         if tables is None:
             raise SketchcalError("sketch mode needs the sketch tables of the layer (a converted model)")
-        return WindowState(
-            family, state, window=window, precision=precision, tables=tables, layer=layer, probe=probe
-        )
+        return WindowState(family, state, tables=tables, **options)
     raise SketchcalError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
