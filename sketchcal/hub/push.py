@@ -102,7 +102,7 @@ def plan_push(
     base_model: str | None = None,
 ) -> tuple[PushResult, SketchArtifact]:
     """Validate everything and list the commit's files (nothing is sent); used by :func:`push`."""
-    if not hub_id_syntax(repo_id):
+    if not hub_id_syntax(repo_id) or "/" not in repo_id:  # the repo to create needs its namespace
         raise SketchcalError(f"--repo-id {repo_id!r} is not a Hub repo id; use NAMESPACE/NAME")
     if revision is not None and (not revision.strip() or revision.startswith(("/", "refs/pr/"))):
         raise SketchcalError(f"--revision {revision!r} is not a branch name")
