@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 
 import sketchcal
 from sketchcal.calibrate import run as run_module
-from sketchcal.calibrate.store import load_stats_tensors
 from sketchcal.errors import SketchcalError
+from sketchcal.formats.stats import load_stats_tensors
 
 SMALL = dict(
     samples=6, seq_len=64, batch_size=2, heldout_samples=2, heldout_windows=8, device="cpu", progress=False
@@ -193,12 +193,12 @@ def test_nan_statistics(tmp_path, monkeypatch):
 
 
 def test_full_disk(tmp_path, monkeypatch):
-    from sketchcal.calibrate import store
+    from sketchcal.formats import stats as stats_format
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(store, "save_file", full)
+    monkeypatch.setattr(stats_format, "save_file", full)
     out = tmp_path / "stats"
     with pytest.raises(SketchcalError, match="no space left") as err:
         sketchcal.calibrate(out=out, **SMALL)

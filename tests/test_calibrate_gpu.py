@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import sketchcal
-from sketchcal.calibrate.store import load_stats_tensors
 from sketchcal.data import builtin_tokenizer_path
+from sketchcal.formats.stats import load_stats_tensors
 
 pytestmark = pytest.mark.gpu
 

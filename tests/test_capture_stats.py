@@ -134,8 +134,8 @@ def test_calibrate_prefill_state_matches_a_float64_prompt_scan(tmp_path, model):
     """calibrate takes the first checkpoint from the model's own (float32, chunked) prefill; a float64
     scan of the prompt through the tapped full forward gives the same statistics."""
     import sketchcal
-    from sketchcal.calibrate.store import load_stats_tensors
     from sketchcal.data import build_samples
+    from sketchcal.formats.stats import load_stats_tensors
     from sketchcal.models import MixerTap
     from sketchcal.models.loading import load_model
 

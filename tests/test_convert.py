@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from synthetic_stats import gdn_layers, tiny_gdn_model, write_synthetic_stats
 
 from sketchcal.artifact import config_fingerprint, convert, inspect, load_stats, read_sketch
-from sketchcal.artifact.synthetic import gdn_layers, tiny_gdn_model, write_synthetic_stats
 from sketchcal.errors import SketchcalError
 from sketchcal.fit.evaluate import compare_shrinkage, heldout_errors
 from sketchcal.fit.ranks import candidate_ranks
@@ -345,7 +345,7 @@ def test_convert_real_calibration_of_a_builtin_model(tmp_path):
     assert not (tmp_path / "out2").exists()
 
 
-def test_model_card_front_matter():
+def test_model_card_front_matter(tmp_path):
     from sketchcal.artifact.card import model_card
     from sketchcal.fit.allocate import Allocation
 
@@ -377,6 +377,10 @@ def test_model_card_front_matter():
     assert "library_name: transformers" in front and "  - sketchssm" in front
     assert "base_model_relation: adapter" in model_card(base_id="org/model", weights="reference", **kw)
     assert "75.00% less" in card  # vs standard
+    # base_model is recorded for Hub ids only (sketchcal.hub.resolve.is_hub_id): NAME or NAMESPACE/NAME
+    assert 'base_model: "gpt2"' in model_card(base_id="gpt2", weights="linked", **kw)
+    for not_hub in ("builtin:tiny-gdn", "./local/dir", "a/b/c", str(tmp_path), "org--x/model"):
+        assert "base_model:" not in model_card(base_id=not_hub, weights="linked", **kw), not_hub
 
 
 def test_dead_head_converts(base, tmp_path):

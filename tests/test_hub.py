@@ -184,8 +184,9 @@ def hub(online):
 
 def make_model_dir(root: Path) -> Path:
     """A small converted model (tiny Qwen3-Next, synthetic statistics) whose base is a Hub id."""
+    from synthetic_stats import gdn_layers, tiny_gdn_model, write_synthetic_stats
+
     from sketchcal.artifact import config_fingerprint, convert
-    from sketchcal.artifact.synthetic import gdn_layers, tiny_gdn_model, write_synthetic_stats
 
     cfg = tiny_gdn_model(root / "base")
     stats = write_synthetic_stats(
@@ -282,6 +283,24 @@ def test_resolve_local_directories_and_bad_arguments(tmp_path, model_dir):
         with pytest.raises(SketchcalError, match=msg) as err:
             resolve(arg, revision=rev)
         assert "\n" not in str(err.value)
+
+
+def test_hub_id_rule(tmp_path, monkeypatch):
+    """One rule: NAME or NAMESPACE/NAME of ASCII letters, digits, '-', '_', '.', not an existing local
+    path, not builtin:. ``hub_id_syntax`` is the spelling alone (for names only the Hub can mean)."""
+    from sketchcal.hub.resolve import hub_id_syntax, is_hub_id
+
+    good = ["gpt2", "acme/sk", "Qwen/Qwen3.5-4B", "a_b/c.d-e", "x/" + "a" * 96]
+    bad = ["", "a/b/c", "builtin:tiny-gdn", "not a hub id", "-x/y", "x/y-", "x/.y", "a--b/c", "a..b", "é/x"]
+    bad += ["x/" + "a" * 97, "./x", "/abs/path", "~/x"]
+    for name in good:
+        assert hub_id_syntax(name) and is_hub_id(name), name
+    for name in bad:
+        assert not hub_id_syntax(name) and not is_hub_id(name), name
+    assert not is_hub_id(None)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "acme" / "sk").mkdir(parents=True)
+    assert hub_id_syntax("acme/sk") and not is_hub_id("acme/sk")  # an existing local path wins
 
 
 def fake_cache(cache: Path, repo_id: str, files: dict[str, str], ref: str = "main") -> Path:

@@ -14,7 +14,7 @@ import torch
 from sketchcal.artifact.sketch import SketchLayer
 from sketchcal.errors import SketchcalError
 from sketchcal.kernels.common import StepInputs, family, recurrence
-from sketchcal.runtime import Precision, SketchTables, StandardState, WindowState, make_state, parse_dtype
+from sketchcal.runtime import Precision, StandardState, WindowState, layer_tables, make_state, parse_dtype
 
 FAMILIES = ["mamba2", "gdn", "kda"]
 F64 = torch.float64
@@ -128,7 +128,7 @@ def test_replay_equals_float64_recurrence_over_windows(fam):
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_sketch_at_full_rank_equals_replay(fam):
     x, s0 = make_inputs(fam, 5 * L + 5, seed=4), random_state(5).float()
-    tables = SketchTables.from_layer(sketch_layer([K] * H, with_tail=False), heads=H, key_dim=K)
+    tables = layer_tables(sketch_layer([K] * H, with_tail=False), family=fam, heads=H, key_dim=K)
     logs = FlushLog(), FlushLog()
     replay = WindowState(fam, s0, window=L, probe=logs[0])
     sketch = WindowState(fam, s0, window=L, tables=tables, probe=logs[1])
@@ -143,7 +143,7 @@ def test_sketch_at_full_rank_equals_replay(fam):
 def test_sketch_at_low_rank_differs_and_never_enters_the_checkpoint(fam):
     x, s0 = make_inputs(fam, 5 * L + 2, seed=6), random_state(7).float()
     ranks = [0, 2, 3, 2]  # head 0 dense
-    tables = SketchTables.from_layer(sketch_layer(ranks), heads=H, key_dim=K)
+    tables = layer_tables(sketch_layer(ranks), family=fam, heads=H, key_dim=K)
     logs = FlushLog(), FlushLog()
     replay = WindowState(fam, s0, window=L, probe=logs[0])
     sketch = WindowState(fam, s0, window=L, tables=tables, probe=logs[1])
@@ -159,26 +159,33 @@ def test_sketch_at_low_rank_differs_and_never_enters_the_checkpoint(fam):
 
 @pytest.mark.parametrize("fam", FAMILIES)
 def test_sketch_read_follows_the_artifact_formula(fam):
-    """Token p = 1 after a checkpoint: o = approx(S_cᵀ u₁) + w₁ (k₁·q₁) (+ skip), u₁ = A₁ᵀ q₁."""
+    """Token p = 1 after a checkpoint: o = approx(S_cᵀ u₁) + w₁ (k₁·q₁) (+ skip), u₁ = A₁ᵀ q₁. The
+    runtime reads the kernels' tables, whose model-frame maps ``P = coef R`` are stored fp32: exact
+    against the formula with that P, within fp32 rounding of the artifact's own ``coef (R u)``."""
     ranks = [0, 2, 3, 5]
     lay = sketch_layer(ranks, seed=2)
     x, s0 = make_inputs(fam, 1, seed=8), random_state(9)
     st = WindowState(
-        fam, s0, window=L, precision=EXACT, tables=SketchTables.from_layer(lay, heads=H, key_dim=K, dtype=F64)
+        fam, s0, window=L, precision=EXACT, tables=layer_tables(lay, family=fam, heads=H, key_dim=K)
     )
     out = st.step(x)[:, 0]
     x1 = x.tokens(0)
     u = family(fam).apply_t(x1.q, x1.k, x1.decay, x1.beta)  # [B, H, K]
     want = x1.w * (x1.k * x1.q).sum(-1, keepdim=True) + (0 if x1.skip is None else x1.skip)
+    artifact = want.clone()
     for h, m in enumerate(ranks):
         if m == 0:
-            want[:, h] += torch.einsum("bkv,bk->bv", s0[:, h], u[:, h])
+            for w in (want, artifact):
+                w[:, h] += torch.einsum("bkv,bk->bv", s0[:, h], u[:, h])
             continue
         r = lay.frame_of(h).double()
         sk = torch.einsum("jk,bkv->bjv", r, s0[:, h])[:, :m]
         coeff = torch.einsum("mk,bk->bm", lay.coef[h, :m].double(), u[:, h] @ r.T)
-        want[:, h] += torch.einsum("bmv,bm->bv", sk, coeff)
+        artifact[:, h] += torch.einsum("bmv,bm->bv", sk, coeff)
+        p_stored = (lay.coef[h, :m].double() @ r).float().double()
+        want[:, h] += torch.einsum("bmv,bm->bv", sk, u[:, h] @ p_stored.T)
     assert rel(out, want) <= 1e-12
+    assert rel(out, artifact) <= 1e-6
 
 
 def cat_tokens(a: StepInputs, b: StepInputs) -> StepInputs:
@@ -199,7 +206,7 @@ def cat_tokens(a: StepInputs, b: StepInputs) -> StepInputs:
 def test_speculative_accept_reject_equals_sequential(fam, mode):
     n, seed = 7 * L, {"mamba2": 11, "gdn": 12, "kda": 13}[fam]
     x, s0 = make_inputs(fam, n, seed=seed), random_state(seed)
-    tables = SketchTables.from_layer(sketch_layer([0, 2, 3, 2]), heads=H, key_dim=K, dtype=F64)
+    tables = layer_tables(sketch_layer([0, 2, 3, 2]), family=fam, heads=H, key_dim=K)
     kw = {"window": L, "precision": EXACT, "tables": tables}
     seq = make_state(mode, fam, s0, **kw)
     want = torch.cat([seq.step(x.tokens(slice(t, t + 1))) for t in range(n)], dim=1)
@@ -273,4 +280,4 @@ def test_bad_arguments_are_one_line_errors():
     with pytest.raises(SketchcalError, match="mode"):
         make_state("fast", "gdn", random_state())
     with pytest.raises(SketchcalError, match="sketch layer"):
-        SketchTables.from_layer(sketch_layer([2] * H), heads=H, key_dim=K + 1)
+        layer_tables(sketch_layer([2] * H), family="gdn", heads=H, key_dim=K + 1)

@@ -8,9 +8,9 @@ import math
 import numpy as np
 import pytest
 import torch
+from synthetic_stats import write_synthetic_stats
 
 from sketchcal.artifact import config_fingerprint, convert
-from sketchcal.artifact.synthetic import write_synthetic_stats
 from sketchcal.errors import SketchcalError
 from sketchcal.models.loading import load_model
 from sketchcal.verify import verify

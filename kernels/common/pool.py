@@ -32,7 +32,17 @@ from torch import Tensor
 from sketchcal.kernels.common.recurrence import StepInputs
 
 FAMILIES = ("mamba2", "gdn", "kda")
-SUPPORTED_RANKS = (0, 4, 8, 12, 16, 24, 32, 48, 64)
+# The sketch ranks the kernels support; 0 means dense: the head reads its full read copy (exact).
+# Non-zero ranks are multiples of 4 so that the sketch rows tile the kernels' key blocks; above 16
+# the steps grow geometrically because the error curves flatten there.
+SUPPORTED_RANKS: tuple[int, ...] = (0, 4, 8, 12, 16, 24, 32, 48, 64)
+
+
+def candidate_ranks(key_dim: int) -> list[int]:
+    """The ranks a head of key dim ``key_dim`` may take, dense (0) first, then increasing: the
+    supported ``0 < m < K`` (a rank-K sketch reads as many bytes as the dense read and is exact
+    too, so dense covers it)."""
+    return [0] + [m for m in SUPPORTED_RANKS if 0 < m < key_dim]
 
 
 def check_family(family: str) -> str:
@@ -160,7 +170,10 @@ def allocate_pool(
 
 @dataclass
 class SketchTables:
-    """One layer's sketch, in the layouts the kernels read.
+    """One layer's sketch, in the layouts the kernels read; built once per layer, from an artifact
+    layer (:meth:`from_layer`) or from model-frame maps (:func:`sketch_tables`). The reference
+    runtime reads the same tables (``sketchcal.runtime.sketch.ComputeTables``: cast to its compute
+    dtype); the reads' math is ``reference.sketch_write`` / ``reference.sketch_read``.
 
         ranks      [H] int32, m per head (0 = dense: read the full read copy)
         maps       [H, M, K] fp32 coefficient maps P (model frame: they act on the effective
@@ -248,9 +261,48 @@ class SketchTables:
         self.group_cols = cols.to(dev)
         self.group_width = torch.tensor(widths, dtype=torch.int32, device=dev)
 
+    @classmethod
+    def from_layer(cls, family: str, layer) -> SketchTables:
+        """The tables of an artifact layer (``sketchcal.artifact.sketch.SketchLayer``: frames ``frame``
+        [G, K, K], rotated maps ``coef`` [H, M, K], ``ranks`` [H]), on the layer's device.
+
+        The model-frame maps are ``P_h = coef_h R_g`` (computed in float64, stored fp32), rows ≥ m_h
+        zero. Any rank 0 ≤ m_h ≤ min(M, K) is taken (the reference runtime reads any rank; a
+        converted model holds only :func:`candidate_ranks`, the ones the kernels launch).
+
+        Raises:
+            ValueError: the layer's tensors do not fit together.
+        """
+        check_family(family)
+        frame, coef = layer.frame, layer.coef
+        ranks = torch.as_tensor(layer.ranks).to(torch.int64).cpu()
+        h, rows = ranks.numel(), coef.shape[1]
+        g, k = frame.shape[0], frame.shape[-1]
+        if frame.shape != (g, k, k) or coef.shape != (h, rows, k) or h % g:
+            raise ValueError(
+                f"frames {tuple(frame.shape)} and maps {tuple(coef.shape)} do not fit {h} heads "
+                "(expected [G, K, K] and [H, M, K] with G dividing H)"
+            )
+        if h and (int(ranks.min()) < 0 or int(ranks.max()) > min(rows, k)):
+            raise ValueError(f"ranks outside [0, {min(rows, k)}]")
+        frames = frame.to(torch.float64).repeat_interleave(h // g, dim=0)  # [H, K, K]
+        maps = torch.einsum("hmj,hjk->hmk", coef.to(torch.float64), frames)
+        return _tables(family, frame, maps * _rank_mask(ranks, rows).to(maps)[..., None], ranks)
+
     @property
     def map_rows(self) -> int:
         return self.maps.shape[1]
+
+    def sketch_rows(self) -> Tensor:
+        """[H, M, K] fp32: rows ``i < m_h`` of head h are rows i of its group's frame, the rest zero;
+        the sketch of a state S [H, K, V] is ``sketch_rows() @ S`` (``reference.sketch_write``)."""
+        heads, groups = self.ranks.numel(), self.frames.shape[0]
+        rows = self.frames.repeat_interleave(heads // groups, dim=0)[:, : self.map_rows]
+        return rows * self.rank_mask().to(rows)[..., None]
+
+    def rank_mask(self) -> Tensor:
+        """[H, M] bool: True on the rows a head's rank uses (``r < m_h``)."""
+        return _rank_mask(self.ranks, self.map_rows)
 
     def to(self, device) -> SketchTables:
         return SketchTables(
@@ -258,22 +310,39 @@ class SketchTables:
         )
 
 
+def _rank_mask(ranks: Tensor, rows: int) -> Tensor:
+    return torch.arange(rows, device=ranks.device)[None, :] < ranks[:, None]
+
+
+def _tables(family: str, frames: Tensor, maps: Tensor, ranks: Tensor) -> SketchTables:
+    """SketchTables on ``frames``' device from model-frame ``maps`` [H, M, K] (rows ≥ m zero) and
+    ``ranks`` [H] (CPU)."""
+    dense = ranks == 0
+    rows = torch.where(dense, torch.full_like(ranks, frames.shape[-1]), torch.zeros_like(ranks))
+    dev = frames.device
+    return SketchTables(
+        family,
+        ranks.to(torch.int32).to(dev),
+        maps.to(device=dev, dtype=torch.float32),
+        frames.to(torch.float32).contiguous(),
+        rows.to(torch.int32).to(dev),
+    )
+
+
 def clip_rank(rank: int, key_dim: int) -> int:
-    """Snap a requested rank up to the supported set, clipped to K (a rank ≥ K is dense, 0)."""
-    if rank <= 0 or rank >= key_dim:
+    """Snap a requested rank up to the next of :func:`candidate_ranks` (none above: dense, 0)."""
+    if rank <= 0:
         return 0
-    for r in SUPPORTED_RANKS[1:]:
-        if r >= rank:
-            return 0 if r >= key_dim else r
-    return 0
+    return next((m for m in candidate_ranks(key_dim) if m >= rank), 0)
 
 
 def sketch_tables(family: str, frames: Tensor, maps: Tensor | list[Tensor], ranks) -> SketchTables:
-    """Convert an artifact's per-layer sketch into :class:`SketchTables`.
+    """:class:`SketchTables` from model-frame maps, for the ranks the kernels support (tests and
+    benchmarks; a converted model's layer: :meth:`SketchTables.from_layer`).
 
     ``frames`` [G, K, K] (R per group); ``maps`` either a list of per-head [m_h, K] tensors or a
     padded [H, M, K] tensor, each P mapping a model-frame effective query u to sketch
-    coordinates; ``ranks`` [H] (0 = dense).
+    coordinates; ``ranks`` [H] (0 = dense), each one of :func:`candidate_ranks`.
     """
     check_family(family)
     ranks_t = torch.as_tensor(ranks, dtype=torch.int64).cpu()
@@ -282,7 +351,7 @@ def sketch_tables(family: str, frames: Tensor, maps: Tensor | list[Tensor], rank
     if frames.shape != (g, k, k) or h % g:
         raise ValueError(f"frames must be [G, K, K] with G dividing H={h}, got {tuple(frames.shape)}")
     for r in ranks_t.tolist():
-        if r not in SUPPORTED_RANKS or (r >= k and r != 0):
+        if r not in candidate_ranks(k):
             raise ValueError(f"rank {r} is not supported for K={k}; use one of {SUPPORTED_RANKS} below K")
     m_rows = max(1, int(ranks_t.max()))
     out = torch.zeros(h, m_rows, k, dtype=torch.float64, device=frames.device)
@@ -294,16 +363,7 @@ def sketch_tables(family: str, frames: Tensor, maps: Tensor | list[Tensor], rank
         if p.shape != (m, k):
             raise ValueError(f"head {head}: map must be [{m}, {k}], got {tuple(p.shape)}")
         out[head, :m] = p
-    dense = ranks_t == 0
-    rows = torch.where(dense, torch.full_like(ranks_t, k), torch.zeros_like(ranks_t))
-    dev = frames.device
-    return SketchTables(
-        family,
-        ranks_t.to(torch.int32).to(dev),
-        out.to(torch.float32),
-        frames.to(torch.float32).contiguous(),
-        rows.to(torch.int32).to(dev),
-    )
+    return _tables(family, frames, out, ranks_t)
 
 
 def random_frames(groups: int, key_dim: int, generator: torch.Generator | None = None) -> Tensor:

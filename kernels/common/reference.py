@@ -1,11 +1,14 @@
-"""Float64 references of the serving API, over a :class:`~sketchcal.kernels.common.pool.DecodePool`.
+"""Float64 references of the serving API, over a :class:`~sketchcal.kernels.common.pool.DecodePool`,
+and the sketch's write and read (:func:`sketch_write`, :func:`sketch_read`), which the reference
+runtime (``sketchcal.runtime``) uses too.
 
 Thin wrappers: every number comes from ``recurrence.step`` / ``recurrence.recurrence`` /
-``recurrence.product_form_read`` run on one slot's window at a time. They update the pool in
-place exactly as the kernels must (casting back to the pool's dtypes) and return the outputs
-[B, T, H, V] in float64, NaN for padding entries. Inputs use the kernel layout documented in
-``pool.py`` (k, q per group). Quantisation already present in the pool (a bf16 read copy or
-sketch) is read as stored, so a kernel and its reference see the same numbers.
+``recurrence.product_form_read`` and the two sketch functions, run on one slot's window at a
+time. They update the pool in place exactly as the kernels must (casting back to the pool's
+dtypes) and return the outputs [B, T, H, V] in float64, NaN for padding entries. Inputs use the
+kernel layout documented in ``pool.py`` (k, q per group). Quantisation already present in the
+pool (a bf16 read copy or sketch) is read as stored, so a kernel and its reference see the same
+numbers.
 """
 
 from __future__ import annotations
@@ -14,9 +17,31 @@ import torch
 from torch import Tensor
 
 from sketchcal.kernels.common.pool import DecodePool, SketchTables, expand_groups
-from sketchcal.kernels.common.recurrence import StepInputs, product_form_read, recurrence
+from sketchcal.kernels.common.recurrence import StepInputs, product_form_read, read, recurrence
 
 F64 = torch.float64
+
+
+def sketch_write(rows: Tensor, s: Tensor) -> Tensor:
+    """The sketch ``(R S)_{:M}`` [..., H, M, V] of states ``s`` [..., H, K, V]; ``rows`` [H, M, K] are
+    each head's frame rows, zero past its rank (``SketchTables.sketch_rows``), so those rows are 0.
+    Computed in ``s``'s dtype."""
+    return torch.einsum("hmk,...hkv->...hmv", rows.to(s.dtype), s)
+
+
+def sketch_read(
+    maps: Tensor, sketch: Tensor, u: Tensor, dense: Tensor | None = None, full: Tensor | None = None
+) -> Tensor:
+    """Checkpoint term ``(R S)_{:m}ᵀ (P u)`` of reads with effective queries ``u`` [..., P, H, K]
+    → [..., P, H, V], from ``sketch`` [..., H, M, V] and the model-frame maps ``maps`` [H, M, K]
+    (zero past each head's rank, so a sketch's unused rows never count). Heads where ``dense`` [H]
+    (bool) is set read ``full`` [..., H, K, V] (the read copy) exactly instead. Computed in ``u``'s
+    dtype."""
+    coeff = torch.einsum("hmk,...phk->...phm", maps.to(u.dtype), u)
+    out = torch.einsum("...hmv,...phm->...phv", sketch.to(u.dtype), coeff)
+    if dense is not None and full is not None:
+        out[..., dense, :] = read(full[..., dense, :, :].to(u.dtype).unsqueeze(-4), u[..., dense, :])
+    return out
 
 
 def _stored(t: Tensor, dtype: torch.dtype) -> Tensor:
@@ -111,22 +136,6 @@ def standard_step(family: str, pool: DecodePool, slots: Tensor, x: StepInputs) -
     return out
 
 
-def _sketch_term(tables: SketchTables, pool: DecodePool, s: int, u: Tensor) -> Tensor:
-    """Checkpoint term of a sketch read for the effective queries ``u`` [P, H, K] → [P, H, V]."""
-    heads = pool.heads
-    o = torch.zeros(u.shape[0], heads, pool.state.shape[-1], dtype=F64, device=u.device)
-    ranks = tables.ranks.tolist()
-    for h in range(heads):
-        m = ranks[h]
-        if m == 0:
-            o[:, h] = u[:, h] @ pool.read[s, h].to(F64)
-            continue
-        src = pool.sketch[s, h, :m]
-        coeff = u[:, h] @ tables.maps[h, :m].to(F64).T  # [P, m]
-        o[:, h] = coeff @ src.to(F64)
-    return o
-
-
 def spec_verify(
     family: str, pool: DecodePool, slots: Tensor, pos: Tensor, x: StepInputs,
     tables: SketchTables | None = None,
@@ -145,7 +154,9 @@ def spec_verify(
             o, _ = product_form_read(fam, pool.read[s].to(F64), win)
         else:
             o, u = product_form_read(fam, torch.zeros_like(pool.state[s], dtype=F64), win)
-            o = o + _sketch_term(tables, pool, s, u)
+            full = None if pool.read is None else pool.read[s]
+            sketch = pool.sketch[s, :, : tables.map_rows]
+            o = o + sketch_read(tables.maps, sketch, u, tables.ranks == 0, full)
         out[b] = o[p : p + nt]
         _store_tokens(pool, s, p, x, b)
     return out
@@ -184,10 +195,8 @@ def flush(
             rows = [pool.state.shape[2]] * pool.heads if tables is None else tables.read_rows.tolist()
             for h, r in enumerate(rows):
                 pool.read[s, h, :r] = _stored(st[h, :r], pool.read.dtype)
-        if tables is not None and pool.sketch is not None:
-            per_group = pool.heads // tables.frames.shape[0]
-            for h, m in enumerate(tables.ranks.tolist()):
-                if m > 0:
-                    frame = tables.frames[h // per_group, :m].to(F64)
-                    pool.sketch[s, h, :m] = _stored(frame @ st[h], pool.sketch.dtype)
+        if tables is not None and pool.sketch is not None:  # rows past a head's rank stay as they are
+            old = pool.sketch[s, :, : tables.map_rows]
+            new = _stored(sketch_write(tables.sketch_rows(), st), pool.sketch.dtype)
+            old.copy_(torch.where(tables.rank_mask()[..., None], new, old))
     return out

@@ -1,4 +1,5 @@
-"""Artifacts: the statistics reader, the converted model directory (config + sketch), and inspect.
+"""Artifacts: the converted model directory (config + sketch) and inspect; the statistics reader
+(:mod:`sketchcal.formats.stats`) is re-exported here.
 
 Public API::
 
@@ -16,7 +17,7 @@ from sketchcal.artifact.convert import ConvertResult, convert
 from sketchcal.artifact.fingerprint import config_fingerprint
 from sketchcal.artifact.report import InspectResult, inspect, print_allocation, print_convert_result
 from sketchcal.artifact.sketch import SketchArtifact, SketchLayer, read_sketch
-from sketchcal.artifact.stats import HeldoutWindows, LayerInfo, Moments, Stats, load_stats
+from sketchcal.formats.stats import HeldoutWindows, LayerInfo, Moments, Stats, load_stats
 
 __all__ = [
     "ConvertResult",

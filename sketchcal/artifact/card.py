@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from sketchcal.artifact.modelsrc import looks_like_hub_id
 from sketchcal.fit.allocate import Allocation
 from sketchcal.fit.ranks import SUPPORTED_RANKS
+from sketchcal.hub.resolve import is_hub_id
 
 FAMILY_NAMES = {"mamba2": "Mamba-2", "gdn": "Gated DeltaNet", "kda": "Kimi Delta Attention"}
 
@@ -29,7 +29,7 @@ def model_card(
 ) -> str:
     """Markdown with YAML front matter: base_model, base_model_relation, tags, library_name."""
     front = ["---", "library_name: transformers"]
-    if looks_like_hub_id(base_id):  # the Hub only accepts repo ids here, not paths or builtin: names
+    if is_hub_id(base_id):  # the Hub only accepts repo ids here, not paths or builtin: names
         front.append(f"base_model: {json.dumps(base_id)}")
         # with weights: a lossy-read variant of the base (like a quantization); reference only: a side module
         front.append(f"base_model_relation: {'adapter' if weights == 'reference' else 'quantized'}")

@@ -35,8 +35,7 @@ from sketchcal.artifact.sketch import (
     SketchLayer,
     write_sketch,
 )
-from sketchcal.artifact.stats import Stats, first_line, load_stats
-from sketchcal.errors import SketchcalError
+from sketchcal.errors import SketchcalError, first_line
 from sketchcal.fit.allocate import Allocation, allocate, validate_budget
 from sketchcal.fit.basis import BASIS_KINDS
 from sketchcal.fit.evaluate import fit_all
@@ -44,6 +43,7 @@ from sketchcal.fit.layer import COEF_KINDS, LayerFit
 from sketchcal.fit.ranks import SUPPORTED_RANKS
 from sketchcal.fit.shrinkage import SHRINKAGE_METHODS
 from sketchcal.fit.traffic import TrafficModel, dtype_bytes
+from sketchcal.formats.stats import Stats, load_stats
 from sketchcal.fsutil import atomic_dir, finite_json
 
 CURVES_FILE = "calibration/curves.safetensors"

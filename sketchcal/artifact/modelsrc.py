@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from sketchcal.errors import SketchcalError
+from sketchcal.hub.resolve import is_hub_id
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 SKIP_TOP = {"config.json", "README.md", "sketch", "calibration", "plots"}
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 @dataclass
@@ -31,10 +30,6 @@ class PlacedFiles:
     mode: str  # "linked" | "copied" | "linked+copied" | "reference"
     files: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-
-
-def looks_like_hub_id(name: str | None) -> bool:
-    return bool(name) and bool(HUB_ID.match(name)) and not Path(name).exists()
 
 
 def resolve_base(model: str | Path | None, manifest_model: dict) -> BaseModel:
@@ -82,7 +77,7 @@ def resolve_base(model: str | Path | None, manifest_model: dict) -> BaseModel:
 
 
 def _from_cache(repo_id: str, revision: str | None) -> Path | None:
-    if not looks_like_hub_id(repo_id):
+    if not is_hub_id(repo_id):
         return None
     try:
         from huggingface_hub import snapshot_download

@@ -29,8 +29,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from sketchcal import __version__
-from sketchcal.artifact.stats import first_line
-from sketchcal.errors import SketchcalError
+from sketchcal.errors import SketchcalError, first_line
 
 SKETCH_FORMAT = "sketchcal-sketch"
 SKETCH_VERSION = 1

@@ -19,22 +19,14 @@ from pathlib import Path
 
 import torch
 
+from sketchcal.models.tiny import attention_fields, gdn_fields, text_fields
+
 # Qwen3.5-4B text model: 32 layers (24 GDN: 16 key heads, 32 value heads, K=V=128; 8 attention).
 QWEN35_4B = dict(
-    hidden_size=2560,
-    intermediate_size=9216,
+    **text_fields(2560, 9216, 248320, 4096),
+    **attention_fields(16, 4, 256),
+    **gdn_fields(16, 32, 128, 128),
     num_hidden_layers=32,
-    num_attention_heads=16,
-    num_key_value_heads=4,
-    head_dim=256,
-    vocab_size=248320,
-    linear_num_key_heads=16,
-    linear_num_value_heads=32,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    linear_conv_kernel_dim=4,
-    tie_word_embeddings=True,
-    max_position_embeddings=4096,
 )
 
 

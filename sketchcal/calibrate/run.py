@@ -17,7 +17,8 @@ import sketchcal
 from sketchcal.calibrate.distributed import World, init_world
 from sketchcal.calibrate.plots import spectra_plot
 from sketchcal.calibrate.stats import LayerStats
-from sketchcal.calibrate.store import (
+from sketchcal.errors import SketchcalError
+from sketchcal.formats.stats import (
     FORMAT,
     VERSION,
     load_progress,
@@ -25,7 +26,6 @@ from sketchcal.calibrate.store import (
     save_progress,
     write_final,
 )
-from sketchcal.errors import SketchcalError
 from sketchcal.kernels.common import family
 from sketchcal.models import MixerCall, MixerTap, ModelSpec
 from sketchcal.models.loading import LoadedModel, load_model, resolve_device

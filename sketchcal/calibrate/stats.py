@@ -1,4 +1,4 @@
-"""Streaming window statistics of one mixer layer (see docs/stats-format.md).
+"""Streaming window statistics of one mixer layer (layouts: :mod:`sketchcal.formats.stats`).
 
 For each head: the state second moment E = Σ S_c S_cᵀ over window checkpoints, the
 effective-query second moment C = Σ u uᵀ over non-flush reads (u_p = M_pᵀ q_p, the query pushed
@@ -12,11 +12,9 @@ import torch
 from torch import Tensor
 
 from sketchcal.calibrate.windows import to_windows
+from sketchcal.formats.stats import moment_layout, window_layout
 from sketchcal.kernels.common import Family, StepInputs, effective_queries, step
 from sketchcal.models import LayerShape
-
-SUM_FIELDS = ("E", "C", "read_energy", "E_col4", "C_col4", "n_checkpoints", "n_reads")
-WINDOW_FIELDS = ("windows.S", "windows.u", "windows.mask")
 
 # Upper bound on the float64 checkpoints held at once, in bytes.
 _BLOCK_BYTES = 2**30
@@ -34,22 +32,19 @@ class LayerStats:
     ):
         self.shape, self.window, self.keep_windows = shape, window, keep_windows
         self.sums: dict[str, Tensor] = {}
-        self.kept: dict[str, list[Tensor]] = {name: [] for name in WINDOW_FIELDS}
+        self.kept: dict[str, list[Tensor]] = {name: [] for name in self._window_layout(0)}
         self._kept_count = 0
         self._init(torch.device(device))
 
     def _init(self, device: torch.device) -> None:
-        h, k = self.shape.heads, self.shape.key_dim
-        f64 = dict(dtype=torch.float64, device=device)
+        layout = moment_layout(self.shape.heads, self.shape.key_dim)
         self.sums = {
-            "E": torch.zeros(h, k, k, **f64),
-            "C": torch.zeros(h, k, k, **f64),
-            "read_energy": torch.zeros(h, **f64),
-            "E_col4": torch.zeros(h, **f64),
-            "C_col4": torch.zeros(h, **f64),
-            "n_checkpoints": torch.zeros(1, dtype=torch.int64, device=device),
-            "n_reads": torch.zeros(1, dtype=torch.int64, device=device),
+            name: torch.zeros(shape, dtype=dt, device=device) for name, (shape, dt) in layout.items()
         }
+
+    def _window_layout(self, count: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        sh = self.shape
+        return window_layout(count, sh.heads, sh.key_dim, sh.value_dim, self.window)
 
     def update(
         self,
@@ -111,9 +106,8 @@ class LayerStats:
             ss = s_c.flatten(0, 1)[counted][:take]
             uu = u.flatten(0, 1)[counted][:take]
             mm = read_valid.flatten(0, 1)[counted][:take]
-            self.kept["windows.S"].append(ss.float().cpu())
-            self.kept["windows.u"].append(uu.float().cpu())
-            self.kept["windows.mask"].append(mm.to(torch.uint8).cpu())
+            for (name, (_, dt)), t in zip(self._window_layout(0).items(), (ss, uu, mm), strict=True):
+                self.kept[name].append(t.to(dt).cpu())
             self._kept_count += ss.shape[0]
 
     def take_sums(self) -> dict[str, Tensor]:
@@ -130,10 +124,5 @@ class LayerStats:
     def kept_windows(self) -> dict[str, Tensor]:
         if not self.keep_windows:
             return {}
-        h, kd, vd, ln = self.shape.heads, self.shape.key_dim, self.shape.value_dim, self.window
-        empty = {
-            "windows.S": torch.zeros(0, h, kd, vd),
-            "windows.u": torch.zeros(0, ln - 1, h, kd),
-            "windows.mask": torch.zeros(0, ln - 1, dtype=torch.uint8),
-        }
+        empty = {name: torch.zeros(shape, dtype=dt) for name, (shape, dt) in self._window_layout(0).items()}
         return {name: torch.cat(parts) if parts else empty[name] for name, parts in self.kept.items()}

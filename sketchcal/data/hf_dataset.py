@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from sketchcal.errors import SketchcalError
+from sketchcal.errors import SketchcalError, first_line
 
 DEFAULT_HF_SPLIT = "train"
 _HF_SOURCE = re.compile(
@@ -65,7 +65,7 @@ def iter_hub_documents(
             hub.repo, hub.config, split=hub.split, revision=revision, streaming=not offline
         )
     except Exception as err:
-        raise SketchcalError(f"cannot load {hub.describe()}: {_first_line(err)}") from err
+        raise SketchcalError(f"cannot load {hub.describe()}: {first_line(err)}") from err
     columns = getattr(dataset, "column_names", None)
     if columns is not None and text_field not in columns:
         names = ", ".join(repr(c) for c in list(columns)[:10]) or "none"
@@ -85,7 +85,7 @@ def _rows(dataset: Any, hub: HubSource, text_field: str) -> Iterator[str]:
         except StopIteration:
             return
         except Exception as err:
-            msg = f"reading {hub.describe()} failed at row {index}: {_first_line(err)}"
+            msg = f"reading {hub.describe()} failed at row {index}: {first_line(err)}"
             raise SketchcalError(msg) from err
         if text_field not in row:
             names = ", ".join(repr(c) for c in list(row)[:10]) or "none"
@@ -99,8 +99,3 @@ def _rows(dataset: Any, hub: HubSource, text_field: str) -> Iterator[str]:
         if value and value.strip():
             yield value
         index += 1
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__

@@ -16,6 +16,7 @@ import torch
 from sketchcal.errors import SketchcalError
 from sketchcal.fit.layer import LayerFit, fit_layer
 from sketchcal.fit.ranks import candidate_ranks
+from sketchcal.formats.stats import Stats, load_stats
 
 
 def _score(fit: LayerFit, source: str, m: int) -> list[float]:
@@ -40,7 +41,7 @@ def fit_all(
     seed: int = 0,
     on_layer: Callable[[int], None] | None = None,
 ) -> list[LayerFit]:
-    """Fit every layer of a :class:`~sketchcal.artifact.stats.Stats`, one layer in memory at a time
+    """Fit every layer of a :class:`~sketchcal.formats.stats.Stats`, one layer in memory at a time
     (moments and held-out windows are read, fitted and dropped). ``on_layer(layer)`` is called after
     each layer (progress)."""
     gen = torch.Generator().manual_seed(seed)
@@ -93,8 +94,12 @@ def _kind_table(
     return min(tables, key=mean)
 
 
+def _opened(stats: Stats | str | Path) -> Stats:
+    return load_stats(stats) if isinstance(stats, str | Path) else stats
+
+
 def heldout_errors(
-    stats,
+    stats: Stats | str | Path,
     kinds: Sequence[str] = ("state", "pca", "random"),
     ranks: Sequence[int] | None = None,
     *,
@@ -106,7 +111,7 @@ def heldout_errors(
     """Mean held-out relative read error per basis kind and uniform rank.
 
     Args:
-        stats: a :class:`~sketchcal.artifact.stats.Stats` or a statistics directory.
+        stats: a :class:`~sketchcal.formats.stats.Stats` or a statistics directory.
         kinds: basis kinds to fit (``"state"``, ``"pca"``, ``"random"``).
         ranks: ranks to score (default: every supported non-zero rank below the largest K).
         source: ``"measured"`` (the verbatim held-out windows) or ``"moments"`` (predicted from the
@@ -119,29 +124,24 @@ def heldout_errors(
     Returns:
         ``{kind: {rank: mean relative error}}``.
     """
-    if isinstance(stats, str | Path):
-        from sketchcal.artifact.stats import load_stats
-
-        stats = load_stats(stats)
+    stats = _opened(stats)
     return {kind: _kind_table(stats, kind, ranks, source, coef, shrinkage, seed) for kind in kinds}
 
 
 def compare_shrinkage(
-    stats,
+    stats: Stats | str | Path,
     methods: Sequence[str] = ("ledoit_wolf", "oas", "none"),
     ranks: Sequence[int] | None = None,
     *,
     source: str = "measured",
     basis: str = "state",
 ) -> dict[str, dict[int, float]]:
-    """Mean held-out relative read error per shrinkage estimator and uniform rank (state basis).
+    """Mean held-out relative read error per shrinkage estimator and uniform rank (state basis);
+    ``ranks``, ``source`` as for :func:`heldout_errors`.
 
     Returns ``{method: {rank: mean relative error}}``; lower is better.
     """
-    if isinstance(stats, str | Path):
-        from sketchcal.artifact.stats import load_stats
-
-        stats = load_stats(stats)
+    stats = _opened(stats)
     return {
         meth: _table(fit_all(stats, basis=basis, coef="state", shrinkage=meth, seed=0), ranks, source)
         for meth in methods

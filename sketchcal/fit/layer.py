@@ -84,11 +84,11 @@ def fit_layer(
     """Fit the frames of one layer and compute its error curves.
 
     Args:
-        info: the layer's :class:`~sketchcal.artifact.stats.LayerInfo` (layer, heads H, groups G,
+        info: the layer's :class:`~sketchcal.formats.stats.LayerInfo` (layer, heads H, groups G,
             key_dim K, value_dim V); head h is in group ``h // (H // G)``.
-        calib: the calibration :class:`~sketchcal.artifact.stats.Moments` (sums: E, C [H, K, K] ...).
+        calib: the calibration :class:`~sketchcal.formats.stats.Moments` (sums: E, C [H, K, K] ...).
         heldout: held-out Moments, or None (no held-out prediction then).
-        windows: held-out :class:`~sketchcal.artifact.stats.HeldoutWindows`, or None.
+        windows: held-out :class:`~sketchcal.formats.stats.HeldoutWindows`, or None.
         basis: ``"state"``, ``"pca"`` or ``"random"`` (see :func:`sketchcal.fit.basis.group_basis`).
         coef: ``"state"`` (state-weighted least-squares maps, each head with its own E) or
             ``"projection"`` (orthogonal projection, the E = I ablation of the map).

@@ -18,7 +18,7 @@ import yaml
 
 from sketchcal.artifact.sketch import SketchArtifact
 from sketchcal.errors import SketchcalError
-from sketchcal.hub.resolve import HUB_ID
+from sketchcal.hub.resolve import hub_id_syntax
 
 REQUIRED_TAGS = ("sketchcal", "sketchssm", "replayssm", "hybrid")
 REPORT_CANDIDATES = ("verify/verify.json", "verify.json")
@@ -65,10 +65,6 @@ def split_front_matter(text: str) -> tuple[dict[str, Any], str]:
     except yaml.YAMLError:
         data = {}
     return (data if isinstance(data, dict) else {}), text[m.end() :]
-
-
-def _hub_shaped(name: Any) -> bool:
-    return isinstance(name, str) and bool(HUB_ID.match(name))
 
 
 def _num(x: Any, fmt: str = ".3g") -> str:
@@ -189,7 +185,7 @@ def front_matter(
     fm: dict[str, Any] = dict(existing)
     fm.setdefault("library_name", "transformers")
     base = base_model or fm.get("base_model") or base_info.get("id")
-    if _hub_shaped(base):
+    if hub_id_syntax(base):
         fm["base_model"] = base
         relation = "adapter" if base_info.get("weights") == "reference" else "quantized"
         fm["base_model_relation"] = fm.get("base_model_relation") or relation
@@ -229,7 +225,7 @@ def push_card(
         verify: a verify report (:func:`load_verify_report`); None: the card says verify was not run.
         base_model: a Hub id to record as ``base_model`` instead of the one the sketch names.
     """
-    if base_model is not None and not _hub_shaped(base_model):
+    if base_model is not None and not hub_id_syntax(base_model):
         raise SketchcalError(f"--base-model {base_model!r} is not a Hub id (NAMESPACE/NAME)")
     existing, body = split_front_matter(readme or "")
     fm = front_matter(existing, art, verify, base_model)

@@ -18,7 +18,7 @@ from sketchcal import __version__
 from sketchcal.artifact.sketch import SketchArtifact, read_sketch
 from sketchcal.errors import SketchcalError
 from sketchcal.hub.card import find_verify_report, load_verify_report, push_card
-from sketchcal.hub.resolve import HUB_ID, is_offline
+from sketchcal.hub.resolve import hub_id_syntax, is_offline
 
 CARD = "README.md"
 REPORT_IN_REPO = "verify/verify.json"
@@ -102,7 +102,7 @@ def plan_push(
     base_model: str | None = None,
 ) -> tuple[PushResult, SketchArtifact]:
     """Validate everything and list the commit's files (nothing is sent); used by :func:`push`."""
-    if not HUB_ID.match(repo_id or "") or "--" in repo_id or ".." in repo_id:
+    if not hub_id_syntax(repo_id) or "/" not in repo_id:  # the repo to create needs its namespace
         raise SketchcalError(f"--repo-id {repo_id!r} is not a Hub repo id; use NAMESPACE/NAME")
     if revision is not None and (not revision.strip() or revision.startswith(("/", "refs/pr/"))):
         raise SketchcalError(f"--revision {revision!r} is not a branch name")

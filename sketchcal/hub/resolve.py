@@ -15,8 +15,10 @@ from pathlib import Path
 
 from sketchcal.errors import SketchcalError
 
-# A Hub repo id: NAMESPACE/NAME (letters, digits, '-', '_', '.'; no '--' or '..', no leading '-'/'.').
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[A-Za-z0-9_][\w.-]{0,95}$")
+# A Hub repo id: NAME or NAMESPACE/NAME, each part 1-96 ASCII letters, digits, '-', '_', '.', not
+# starting or ending with '-' or '.'; no '--' or '..' anywhere.
+_PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"
+_HUB_ID = re.compile(rf"^(?:{_PART}/)?{_PART}$")
 
 # What inspect / verify-style readers need from a converted model repo: no weights.
 ARTIFACT_PATTERNS: tuple[str, ...] = (
@@ -32,14 +34,19 @@ STATS_PATTERNS: tuple[str, ...] = ("*",)
 _TRUE = {"1", "ON", "YES", "TRUE"}
 
 
+def hub_id_syntax(name: object) -> bool:
+    """True when ``name`` is spelled as a Hub repo id (``NAME`` or ``NAMESPACE/NAME``, see above);
+    a ``builtin:`` name never is. For names that only the Hub can mean (``push --repo-id``)."""
+    return isinstance(name, str) and bool(_HUB_ID.match(name)) and "--" not in name and ".." not in name
+
+
 def is_hub_id(name: str | os.PathLike | None) -> bool:
-    """True when ``name`` has the shape of a Hub repo id and is not an existing local path."""
+    """True when ``name`` is spelled as a Hub repo id (:func:`hub_id_syntax`) and is not an existing
+    local path: the one rule for arguments that may be either."""
     if name is None:
         return False
     s = str(name)
-    if not HUB_ID.match(s) or "--" in s or ".." in s or s.endswith((".", "-")):
-        return False
-    return not Path(s).expanduser().exists()
+    return hub_id_syntax(s) and not Path(s).expanduser().exists()
 
 
 def is_offline() -> bool:
@@ -66,7 +73,7 @@ def resolve(
     """A local directory holding ``model_or_artifact``.
 
     Args:
-        model_or_artifact: a local directory, or a Hub id ``NAMESPACE/NAME``.
+        model_or_artifact: a local directory, or a Hub id ``NAME`` / ``NAMESPACE/NAME``.
         revision: branch, tag or commit of a Hub id (None: ``main``). Not allowed with a directory.
         allow_patterns: only fetch the files matching these globs (e.g. :data:`ARTIFACT_PATTERNS` to
             read a sketch without its weights). Files already cached are not fetched again.

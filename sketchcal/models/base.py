@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -32,6 +33,27 @@ class LayerShape:
             "key_dim": self.key_dim,
             "value_dim": self.value_dim,
         }
+
+
+def first_output(result: Any) -> Tensor:
+    """The output tensor of a kernel function that may also return its final state."""
+    return result[0] if isinstance(result, tuple) else result
+
+
+def delta_rule_terms(
+    args: dict[str, Any], l2norm: Callable[[Tensor], Tensor]
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+    """What a delta-rule kernel function (GDN, KDA) computes from its arguments before its own query
+    scaling: ``(q, k, w, beta, decay, initial_state)`` with q, k in float32 (l2-normed by ``l2norm``
+    when the call asks for it), ``beta`` [B, T, H], ``decay = exp(g)`` and ``w = β v`` in float64,
+    and the initial state in float64 or None."""
+    q, k, v = (args[n].float() for n in ("query", "key", "value"))
+    if args.get("use_qk_l2norm_in_kernel"):
+        q, k = l2norm(q), l2norm(k)
+    beta = args["beta"].float().double()
+    decay = args["g"].float().double().exp()
+    state = args.get("initial_state")
+    return q, k, beta[..., None] * v.double(), beta, decay, None if state is None else state.double()
 
 
 class FamilyAdapter(Protocol):

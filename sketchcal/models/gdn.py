@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from sketchcal.kernels.common import StepInputs
-from sketchcal.models.base import LayerShape
+from sketchcal.models.base import LayerShape, delta_rule_terms, first_output
 
 
 def _l2norm(x: Tensor) -> Tensor:
@@ -27,22 +27,15 @@ class GdnAdapter:
     decode_fn = "torch_recurrent_gated_delta_rule"
 
     def layer_shape(self, mixer: nn.Module) -> LayerShape:
-        return LayerShape(
-            mixer.layer_idx, mixer.num_v_heads, mixer.num_k_heads, mixer.head_k_dim, mixer.head_v_dim
-        )
+        heads, groups = mixer.num_v_heads, mixer.num_k_heads  # the key heads are the groups
+        return LayerShape(mixer.layer_idx, heads, groups, mixer.head_k_dim, mixer.head_v_dim)
 
     def inputs(self, kind: str, args: dict[str, Any]) -> tuple[StepInputs, Tensor | None]:
-        q, k, v = (args[n].float() for n in ("query", "key", "value"))
-        if args.get("use_qk_l2norm_in_kernel"):
-            q, k = _l2norm(q), _l2norm(k)
+        q, k, w, beta, decay, state = delta_rule_terms(args, _l2norm)
         q = q * q.shape[-1] ** -0.5
-        rep = v.shape[-2] // k.shape[-2]
+        rep = w.shape[-2] // k.shape[-2]  # value heads per key head
         q, k = (t.repeat_interleave(rep, dim=-2).double() for t in (q, k))
-        beta = args["beta"].float().double()
-        decay = args["g"].float().double().exp()
-        w = beta[..., None] * v.double()
-        state = args.get("initial_state")
-        return StepInputs(k=k, q=q, w=w, decay=decay, beta=beta), None if state is None else state.double()
+        return StepInputs(k=k, q=q, w=w, decay=decay, beta=beta), state
 
     def pre_gate_output(self, kind: str, result: Any) -> Tensor:
-        return result[0] if isinstance(result, tuple) else result
+        return first_output(result)

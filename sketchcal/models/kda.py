@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from sketchcal.kernels.common import StepInputs
-from sketchcal.models.base import LayerShape
+from sketchcal.models.base import LayerShape, delta_rule_terms, first_output
 
 
 def _l2norm(x: Tensor) -> Tensor:
@@ -30,16 +30,9 @@ class KdaAdapter:
         return LayerShape(mixer.layer_idx, mixer.num_heads, mixer.num_heads, mixer.head_dim, mixer.head_dim)
 
     def inputs(self, kind: str, args: dict[str, Any]) -> tuple[StepInputs, Tensor | None]:
-        q, k, v = (args[n].float() for n in ("query", "key", "value"))
-        if args.get("use_qk_l2norm_in_kernel"):
-            q, k = _l2norm(q), _l2norm(k)
+        q, k, w, beta, decay, state = delta_rule_terms(args, _l2norm)
         q = q * (1 / q.shape[-1] ** 0.5)
-        beta = args["beta"].float().double()
-        decay = args["g"].float().double().exp()
-        w = beta[..., None] * v.double()
-        state = args.get("initial_state")
-        inputs = StepInputs(k=k.double(), q=q.double(), w=w, decay=decay, beta=beta)
-        return inputs, None if state is None else state.double()
+        return StepInputs(k=k.double(), q=q.double(), w=w, decay=decay, beta=beta), state
 
     def pre_gate_output(self, kind: str, result: Any) -> Tensor:
-        return result[0] if isinstance(result, tuple) else result
+        return first_output(result)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sketchcal.kernels.common import StepInputs
-from sketchcal.models.base import LayerShape
+from sketchcal.models.base import LayerShape, first_output
 
 
 class Mamba2Adapter:
@@ -64,5 +64,5 @@ class Mamba2Adapter:
         return inputs, None if state is None else state.double().transpose(-1, -2)
 
     def pre_gate_output(self, kind: str, result: Any) -> Tensor:
-        out = result[0] if isinstance(result, tuple) else result
+        out = first_output(result)
         return out if kind == "prefill" else out[:, None]

@@ -6,18 +6,19 @@ Public API::
            prefill=None, compute_dtype="fp32", probe=None) -> Runtime
     enabled(model, artifact=None, mode="sketch", **kw)      # context manager
     disable(model); runtime_of(model) -> Runtime | None
-    make_state(mode, family, state, *, window=16, precision=Precision(), tables=None) -> DecodeState
+    make_state(mode, family, state, *, tables=None, window=16, precision=Precision()) -> DecodeState
     StandardState / WindowState: step(x), draft(x), accept(k), state()
-    SketchTables.from_layer(sketch_layer, heads=H, key_dim=K); Precision; parse_dtype
+    layer_tables(sketch_layer, family=..., heads=H, key_dim=K) -> SketchTables; Precision; parse_dtype
 
 Modules: ``precision`` (dtypes of checkpoint, read copy, math), ``sketch`` (one layer's sketch
-tables), ``state`` (decode-state objects), ``families`` (the transformers kernel-function contracts),
-``patch`` (plugging the modes into a transformers model).
+tables: the kernels' ``SketchTables``, read in the compute dtype), ``state`` (decode-state objects),
+``families`` (the transformers kernel-function contracts), ``patch`` (plugging the modes into a
+transformers model).
 """
 
 from sketchcal.runtime.patch import Runtime, disable, enable, enabled, runtime_of
 from sketchcal.runtime.precision import READ_DTYPES, Precision, parse_dtype
-from sketchcal.runtime.sketch import SketchTables
+from sketchcal.runtime.sketch import SketchTables, layer_tables
 from sketchcal.runtime.state import (
     DEFAULT_WINDOW,
     MODES,
@@ -44,6 +45,7 @@ __all__ = [
     "disable",
     "enable",
     "enabled",
+    "layer_tables",
     "make_state",
     "parse_dtype",
     "runtime_of",

@@ -40,7 +40,7 @@ from sketchcal.models import ModelSpec, describe
 from sketchcal.models.capture import pick_implementation, torch_reference
 from sketchcal.runtime.families import GLUES, FunctionGlue
 from sketchcal.runtime.precision import Precision, parse_dtype
-from sketchcal.runtime.sketch import SketchTables
+from sketchcal.runtime.sketch import SketchTables, layer_tables
 from sketchcal.runtime.state import DEFAULT_WINDOW, MODES, DecodeState, Probe, WindowState, make_state
 
 
@@ -408,12 +408,12 @@ def enable(
                 layer = art.layer(shape.layer)
             except KeyError:
                 raise SketchcalError(f"the sketch has no layer {shape.layer}; reconvert it") from None
-            tables[shape.layer] = SketchTables.from_layer(
+            tables[shape.layer] = layer_tables(
                 layer,
+                family=spec.family,
                 heads=shape.heads,
                 key_dim=shape.key_dim,
                 device=devices[shape.layer],
-                dtype=precision.compute_dtype,
             )
     previous = _ENABLED.get(model)
     if previous is not None:

@@ -1,8 +1,9 @@
-"""One layer's sketch tables at run time: write the sketch at a flush, read through it between flushes.
+"""One layer's sketch at run time: write the sketch at a flush, read through it between flushes.
 
-From the artifact (:mod:`sketchcal.artifact.sketch`): per head h of group g, frame ``R_g`` [K, K],
-rotated map ``coef_h`` [M, K] and rank ``m_h`` (0 = dense). With ``P_h = coef_h R_g`` (acting on
-unrotated effective queries) a read is
+The tables are the kernels' :class:`~sketchcal.kernels.common.pool.SketchTables`, built once per
+layer from the artifact (:func:`layer_tables`). Per head h of group g: frame ``R_g`` [K, K], rank
+``m_h`` (0 = dense) and the model-frame map ``P_h = coef_h R_g`` [M, K] (fp32, as the kernels read
+it). A read is
 
     Sᵀu ≈ (R_g S)_{:m}ᵀ (P_h u)_{:m}
 
@@ -10,6 +11,7 @@ The runtime stores the sketch ``(R_g S_c)_{:M}`` [B, H, M, V] (rows ≥ m_h zero
 precision at each flush, for every family. (For Mamba-2 and GDN a serving kernel can instead run
 the recurrence in the rotated frame and read a prefix of the stored state; the numbers are the
 same up to rounding, and the byte model counts that layout.) Dense heads read their full read copy.
+The write and the read are ``sketchcal.kernels.common.reference.sketch_write`` / ``sketch_read``.
 """
 
 from __future__ import annotations
@@ -21,56 +23,55 @@ from torch import Tensor
 
 from sketchcal.artifact.sketch import SketchLayer
 from sketchcal.errors import SketchcalError
-from sketchcal.kernels.common.recurrence import read
+from sketchcal.kernels.common.pool import SketchTables
+from sketchcal.kernels.common.reference import sketch_read, sketch_write
+
+__all__ = ["ComputeTables", "SketchTables", "layer_tables"]
 
 
-@dataclass
-class SketchTables:
-    """Per-layer tables in the compute dtype. H heads, K key dim, M stored rows."""
+def layer_tables(
+    layer: SketchLayer, *, family: str, heads: int, key_dim: int, device: torch.device | str | None = None
+) -> SketchTables:
+    """Validate the artifact layer ``layer`` against the model layer's shape (``heads``, ``key_dim``)
+    and build its tables on ``device``."""
+    if layer.heads != heads or layer.key_dim != key_dim or heads % layer.groups:
+        raise SketchcalError(
+            f"sketch layer {layer.layer} has {layer.heads} heads in {layer.groups} groups of key dim "
+            f"{layer.key_dim}, the model layer {heads} heads of key dim {key_dim}; reconvert the sketch"
+        )
+    try:
+        tables = SketchTables.from_layer(family, layer)
+    except ValueError as err:
+        raise SketchcalError(f"sketch layer {layer.layer}: {err}; reconvert the sketch") from None
+    return tables if device is None else tables.to(device)
 
-    ranks: Tensor  # [H] int64, 0 = dense
-    frames: Tensor  # [H, M, K]: R_{g(h), :M}, rows of the frame that make the sketch
-    maps: Tensor  # [H, M, K]: P_h = coef_h R_g, zero on rows ≥ m_h
-    dense: Tensor  # [H] bool
+
+@dataclass(frozen=True)
+class ComputeTables:
+    """A layer's :class:`SketchTables` cast once to the reference runtime's compute dtype.
+
+    H heads, K key dim, M stored rows: ``rows`` [H, M, K] (``SketchTables.sketch_rows``), ``maps``
+    [H, M, K] (``SketchTables.maps``), ``dense`` [H] bool.
+    """
+
+    rows: Tensor
+    maps: Tensor
+    dense: Tensor
+    has_dense: bool
 
     @classmethod
-    def from_layer(
-        cls, layer: SketchLayer, *, heads: int, key_dim: int, device=None, dtype=torch.float32
-    ) -> SketchTables:
-        """Validate ``layer`` against the model layer's shape and build the tables."""
-        if layer.heads != heads or layer.key_dim != key_dim or heads % layer.groups:
-            raise SketchcalError(
-                f"sketch layer {layer.layer} has {layer.heads} heads in {layer.groups} groups of key dim "
-                f"{layer.key_dim}, the model layer {heads} heads of key dim {key_dim}; reconvert the sketch"
-            )
-        ranks = layer.ranks.to(torch.int64)
-        rows = layer.coef.shape[1]
-        if int(ranks.min()) < 0 or int(ranks.max()) > min(rows, key_dim):
-            raise SketchcalError(f"sketch layer {layer.layer} has ranks outside [0, {min(rows, key_dim)}]")
-        f64 = torch.float64
-        per_group = heads // layer.groups
-        frames = layer.frame.to(f64).repeat_interleave(per_group, dim=0)  # [H, K, K]
-        mask = (torch.arange(rows)[None, :] < ranks[:, None]).to(f64)  # [H, M]
-        maps = torch.einsum("hmj,hjk->hmk", layer.coef.to(f64), frames) * mask[..., None]
-        sketch_rows = frames[:, :rows] * mask[..., None]
+    def of(cls, tables: SketchTables, dtype: torch.dtype) -> ComputeTables:
+        dense = tables.ranks == 0
         return cls(
-            ranks=ranks.to(device),
-            frames=sketch_rows.to(device=device, dtype=dtype),
-            maps=maps.to(device=device, dtype=dtype),
-            dense=(ranks == 0).to(device),
+            rows=tables.sketch_rows().to(dtype),
+            maps=tables.maps.to(dtype),
+            dense=dense,
+            has_dense=bool(dense.any()),
         )
-
-    @property
-    def rows(self) -> int:
-        return self.frames.shape[1]
-
-    @property
-    def has_dense(self) -> bool:
-        return bool(self.dense.any())
 
     def write(self, s: Tensor) -> Tensor:
         """The sketch ``(R S)_{:M}`` [..., H, M, V] of states ``s`` [..., H, K, V] (rows ≥ m_h are 0)."""
-        return torch.einsum("hmk,...hkv->...hmv", self.frames.to(s.dtype), s)
+        return sketch_write(self.rows, s)
 
     def read(self, sketch: Tensor, full: Tensor | None, u: Tensor) -> Tensor:
         """Checkpoint term of the reads for effective queries ``u`` [B, P, H, K] → [B, P, H, V].
@@ -78,10 +79,5 @@ class SketchTables:
         ``sketch`` [B, H, M, V]; ``full`` [B, H, K, V] the dense heads' read copy (None when no head
         is dense). Both are cast to ``u``'s dtype.
         """
-        coeff = torch.einsum("hmk,bphk->bphm", self.maps.to(u.dtype), u)
-        out = torch.einsum("bhmv,bphm->bphv", sketch.to(u.dtype), coeff)
-        if full is not None and self.has_dense:
-            dense = self.dense
-            exact = read(full[:, dense].to(u.dtype).unsqueeze(1), u[:, :, dense])
-            out[:, :, dense] = exact
-        return out
+        dense = self.dense if self.has_dense and full is not None else None
+        return sketch_read(self.maps, sketch, u, dense, full)

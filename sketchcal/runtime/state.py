@@ -27,7 +27,7 @@ Every number comes from :mod:`sketchcal.kernels.common.recurrence` (``recurrence
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -35,9 +35,10 @@ from torch import Tensor
 from sketchcal.errors import SketchcalError
 from sketchcal.kernels.common import Family, StepInputs, product_form_read, recurrence
 from sketchcal.kernels.common import family as family_of
+from sketchcal.kernels.common.pool import SketchTables
 from sketchcal.kernels.common.recurrence import read
 from sketchcal.runtime.precision import Precision, store
-from sketchcal.runtime.sketch import SketchTables
+from sketchcal.runtime.sketch import ComputeTables
 
 MODES = ("standard", "replay", "sketch")
 DEFAULT_WINDOW = 16
@@ -150,6 +151,7 @@ class WindowState:
             raise SketchcalError(f"window must be at least 1, got {window}")
         self.family = _family(family)
         self.window, self.precision, self.tables = window, precision, tables
+        self._sketch = None if tables is None else ComputeTables.of(tables, precision.compute_dtype)
         self.layer, self.probe = layer, probe
         self.ckpt = self._make_checkpoint(checkpoint.to(precision.compute_dtype))
         self.pos = 0  # tokens buffered since the checkpoint (committed)
@@ -170,7 +172,7 @@ class WindowState:
         state = store(s, p.checkpoint_dtype)
         exact = state.to(p.compute_dtype)
         read_copy = store(exact, p.read_dtype) if p.separate_read_copy else None
-        sketch = None if self.tables is None else store(self.tables.write(exact), p.read_dtype)
+        sketch = None if self._sketch is None else store(self._sketch.write(exact), p.read_dtype)
         return Checkpoint(state, read_copy, sketch)
 
     def _put(self, at: int, x: StepInputs) -> None:
@@ -207,9 +209,9 @@ class WindowState:
 
     def _checkpoint_term(self, ckpt: Checkpoint, u: Tensor) -> Tensor:
         """``S_cᵀ u`` as served: from the read copy (replay) or the sketch. u [B, n, H, K]."""
-        if self.tables is None:
+        if self._sketch is None:
             return read(ckpt.full.to(u.dtype).unsqueeze(1), u)
-        return self.tables.read(ckpt.sketch, ckpt.full if self.tables.has_dense else None, u)
+        return self._sketch.read(ckpt.sketch, ckpt.full if self._sketch.has_dense else None, u)
 
     def _reads(self, ckpt: Checkpoint, n_buf: int, x: StepInputs, first_pos: int) -> Tensor:
         """Non-flush outputs of the tokens ``x`` that follow ``n_buf`` buffered ones after ``ckpt``."""
@@ -304,21 +306,21 @@ def make_state(
     family: Family | str,
     state: Tensor,
     *,
-    window: int = DEFAULT_WINDOW,
-    precision: Precision = Precision(),
     tables: SketchTables | None = None,
-    layer: int | None = None,
-    probe: Probe | None = None,
+    **options: Any,
 ) -> DecodeState:
-    """A decode state in ``mode`` starting from ``state`` [B, H, K, V] (the first checkpoint)."""
+    """A decode state in ``mode`` starting from ``state`` [B, H, K, V] (the first checkpoint).
+
+    ``options`` are the state's own keywords: ``precision``, ``layer``, ``probe`` and ``window``
+    (which ``standard`` mode has no use for); ``tables`` are the sketch's, for ``sketch`` mode.
+    """
     if mode == "standard":
-        return StandardState(family, state, precision=precision, layer=layer, probe=probe)
+        options.pop("window", None)
+        return StandardState(family, state, **options)
     if mode == "replay":
-        return WindowState(family, state, window=window, precision=precision, layer=layer, probe=probe)
+        return WindowState(family, state, **options)
     if mode == "sketch":
         if tables is None:
             raise SketchcalError("sketch mode needs the sketch tables of the layer (a converted model)")
-        return WindowState(
-            family, state, window=window, precision=precision, tables=tables, layer=layer, probe=probe
-        )
+        return WindowState(family, state, tables=tables, **options)
     raise SketchcalError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")

@@ -3,11 +3,15 @@
 import pytest
 import torch
 
+from sketchcal.artifact.sketch import SketchLayer
 from sketchcal.kernels.common import reference as ref
 from sketchcal.kernels.common.pool import (
     SUPPORTED_RANKS,
     DecodePool,
+    SketchTables,
+    candidate_ranks,
     clip_rank,
+    random_frames,
     random_sketch,
     rank_spread,
     sketch_tables,
@@ -106,3 +110,53 @@ def test_ranks_and_tables():
     assert t.read_rows.tolist() == [0, 16]
     with pytest.raises(ValueError, match="not supported"):
         sketch_tables("gdn", torch.eye(16).expand(2, 16, 16), [torch.zeros(5, 16)] * 2, [5, 5])
+
+
+@pytest.mark.parametrize("family", ["mamba2", "gdn", "kda"])
+def test_tables_from_an_artifact_layer(family):
+    """``SketchTables.from_layer`` (rotated maps ``coef``, ``P = coef R``) builds the tables of the
+    model-frame maps; a flush writes rows r < m of each sketch head and leaves the other rows alone."""
+    gen = torch.Generator().manual_seed(5)
+    h, g, k, _ = SHAPES[family]
+    ranks = [4, 0, 8, 4][:h]
+    frames = random_frames(g, k, gen).float()
+    coef = torch.zeros(h, max(ranks), k)
+    for head, m in enumerate(ranks):
+        coef[head, :m] = torch.randn(m, k, generator=gen)
+    layer = SketchLayer(0, frames, coef, torch.tensor(ranks, dtype=torch.int32))
+    got = SketchTables.from_layer(family, layer)
+    p = [coef[head, :m].double() @ frames[head // (h // g)].double() for head, m in enumerate(ranks)]
+    want = sketch_tables(family, frames, p, ranks)
+    derived = ("group_maps", "group_cols", "group_width", "frame_terms")
+    for name in ("ranks", "maps", "frames", "read_rows", *derived):
+        a, b = getattr(got, name), getattr(want, name)
+        assert (a is None and b is None) or torch.equal(a, b), name
+    rows = got.sketch_rows()
+    for head, m in enumerate(ranks):
+        assert torch.equal(rows[head, :m], frames[head // (h // g), :m]) and not rows[head, m:].any()
+    with pytest.raises(ValueError, match="ranks outside"):
+        SketchTables.from_layer(
+            family, SketchLayer(0, frames, coef, torch.tensor([9] * h, dtype=torch.int32))
+        )
+
+    pool = _f64_pool(family, 2, 4, gen)
+    before = pool.sketch.clone()
+    ref.flush(family, pool, torch.tensor([1, -1]), torch.tensor([3, 0]), tables=got)
+    assert torch.equal(pool.sketch[0], before[0])
+    state = pool.state[1]
+    for head, m in enumerate(ranks):
+        frame = frames[head // (h // g)].double()
+        torch.testing.assert_close(pool.sketch[1, head, :m], frame[:m] @ state[head], rtol=1e-12, atol=1e-12)
+        assert torch.equal(pool.sketch[1, head, m:], before[1, head, m:])
+
+
+def test_candidate_ranks():
+    assert candidate_ranks(128) == list(SUPPORTED_RANKS)
+    assert candidate_ranks(16) == [0, 4, 8, 12]
+    assert candidate_ranks(4) == [0]
+    assert (
+        clip_rank(0, 128) == 0
+        and clip_rank(1, 16) == 4
+        and clip_rank(12, 16) == 12
+        and clip_rank(13, 16) == 0
+    )

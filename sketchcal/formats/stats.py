@@ -1,28 +1,212 @@
-"""Reader of the statistics directory that ``sketchcal calibrate`` writes (docs/stats-format.md).
+"""The statistics directory that ``sketchcal calibrate`` writes and ``convert`` / ``verify`` read.
 
-:func:`load_stats` validates the manifest and every shard's header (names, shapes, dtypes) up
-front; the tensors themselves are read one layer at a time (:meth:`Stats.moments`,
-:meth:`Stats.windows`) and checked for NaN/Inf as they are read. Every problem is a one-line
+The one home of the format (docs/stats-format.md, version 1): its file names, tensor names and
+layouts, the writer and the reader.
+
+Layout::
+
+    manifest.json                       written last; "complete": true marks a finished run
+    stats-0000i-of-0000n.safetensors    the sums, in shards of whole layers (at most ~2 GiB each)
+    _progress/                          only while a run is unfinished: state.json naming the
+                                        cumulative sums after the last completed round
+                                        (sums-<round>.safetensors)
+
+Tensors, per mixer layer i and split s ∈ :data:`SPLITS` (H heads, key dim K, value dim V, window L,
+R kept windows): the sums :func:`moment_layout` ``layers.{i}.{s}.<name>`` and the verbatim held-out
+window sample :func:`window_layout` ``layers.{i}.heldout.windows.<S|u|mask>``.
+
+Writing: the progress sums are written before the state that points to them, each atomically, so a
+crash at any point leaves either the previous consistent progress or the new one. Reading:
+:func:`load_stats` validates the manifest and every shard's header (names, shapes, dtypes) up front;
+the tensors themselves are read one layer at a time (:meth:`Stats.moments`, :meth:`Stats.windows`)
+and checked for NaN/Inf as they are read. Every problem is a one-line
 :class:`~sketchcal.errors.SketchcalError`.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from sketchcal.errors import SketchcalError
+from sketchcal.errors import SketchcalError, first_line
+from sketchcal.fsutil import atomic_path, write_json
 
-STATS_FORMAT = "sketchcal-stats"
-STATS_VERSION = 1
+FORMAT = "sketchcal-stats"
+VERSION = 1
+MANIFEST = "manifest.json"
+PROGRESS = "_progress"
+PROGRESS_STATE = "state.json"
+SHARD_PREFIX = "stats-"
+SHARD_BYTES = 2 * 2**30
 SPLITS = ("calib", "heldout")
-MOMENT_NAMES = ("E", "C", "read_energy", "E_col4", "C_col4", "n_checkpoints", "n_reads")
+WINDOWS = "windows"  # the held-out window sample: layers.{i}.heldout.windows.<S|u|mask>
+# what calibrate may replace with --overwrite: its own files (the plot included) and hidden temporaries
+_OURS = (MANIFEST, PROGRESS, SHARD_PREFIX, "calibration.png")
+_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.int64: "I64", torch.uint8: "U8"}
+
+
+def moment_layout(heads: int, key_dim: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of each sum of one (layer, split), by name (see :class:`Moments`)."""
+    h, k = heads, key_dim
+    f64 = torch.float64
+    return {
+        "E": ((h, k, k), f64),
+        "C": ((h, k, k), f64),
+        "read_energy": ((h,), f64),
+        "E_col4": ((h,), f64),
+        "C_col4": ((h,), f64),
+        "n_checkpoints": ((1,), torch.int64),
+        "n_reads": ((1,), torch.int64),
+    }
+
+
+MOMENT_NAMES = tuple(moment_layout(1, 1))
+
+
+def window_layout(
+    count: int, heads: int, key_dim: int, value_dim: int, window: int
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of the held-out window sample of ``count`` windows, by name ``windows.*``
+    (see :class:`HeldoutWindows`)."""
+    r, h, k, v, p = count, heads, key_dim, value_dim, window - 1
+    return {
+        f"{WINDOWS}.S": ((r, h, k, v), torch.float32),
+        f"{WINDOWS}.u": ((r, p, h, k), torch.float32),
+        f"{WINDOWS}.mask": ((r, p), torch.uint8),
+    }
+
+
+def tensor_name(layer: int, split: str, name: str) -> str:
+    """``layers.{layer}.{split}.{name}``, e.g. ``layers.3.calib.E`` or ``layers.3.heldout.windows.S``."""
+    return f"layers.{layer}.{split}.{name}"
+
+
+def layer_of(name: str) -> int:
+    """The layer index in a tensor name of :func:`tensor_name`."""
+    return int(name.split(".")[1])
+
+
+def shard_name(index: int, count: int) -> str:
+    """File name of shard ``index`` (1-based) of ``count``."""
+    return f"{SHARD_PREFIX}{index:05d}-of-{count:05d}.safetensors"
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+def _is_ours(name: str) -> bool:
+    return any(name == o or name.startswith(o) for o in _OURS) or name.startswith(".")
+
+
+def prepare_out_dir(out: Path, *, resume: bool, overwrite: bool, clear: bool = True) -> None:
+    """Refuse a non-empty directory unless resuming or overwriting a statistics directory.
+
+    With ``clear=False`` only checks; call again with ``clear=True`` once the model and data have
+    loaded, so that a failed start never destroys the previous statistics.
+    """
+    if resume and overwrite:
+        raise SketchcalError("--resume and --overwrite contradict each other; give one")
+    if out.exists() and not out.is_dir():
+        raise SketchcalError(f"{out} exists and is not a directory; choose another --out")
+    entries = sorted(p.name for p in out.iterdir()) if out.exists() else []
+    if resume:
+        if (out / MANIFEST).exists() and read_manifest(out, require_complete=False).get("complete"):
+            raise SketchcalError(f"{out} already holds a complete calibration; nothing to resume")
+        if not (out / PROGRESS / PROGRESS_STATE).exists():
+            raise SketchcalError(f"{out} has no interrupted run to resume; drop --resume to start one")
+        return
+    if not entries:
+        return
+    if not overwrite:
+        raise SketchcalError(
+            f"{out} is not empty; pass --resume to continue a run or --overwrite to replace it"
+        )
+    foreign = [name for name in entries if not _is_ours(name)]
+    if foreign:
+        raise SketchcalError(
+            f"--overwrite refused: {out} holds files sketchcal did not write ({', '.join(foreign[:3])}); "
+            "choose an empty directory"
+        )
+    for name in entries if clear else []:
+        path = out / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def save_progress(
+    out: Path, round_done: int, tensors: dict[str, torch.Tensor], state: dict[str, Any]
+) -> None:
+    """Record the cumulative sums after ``round_done`` rounds; the previous progress stays valid
+    until the new state file is in place."""
+    prog = out / PROGRESS
+    prog.mkdir(parents=True, exist_ok=True)
+    name = f"sums-{round_done:07d}.safetensors"
+    with atomic_path(prog / name) as tmp:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+    write_json(prog / PROGRESS_STATE, {**state, "round_done": round_done, "sums": name})
+    for old in prog.glob("sums-*.safetensors"):
+        if old.name != name:
+            old.unlink()
+
+
+def load_progress(out: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The state and cumulative sums of an interrupted run (:func:`save_progress`)."""
+    prog = out / PROGRESS
+    try:
+        state = json.loads((prog / PROGRESS_STATE).read_text())
+        tensors = load_file(str(prog / state["sums"]))
+    except (OSError, KeyError, json.JSONDecodeError, SafetensorError) as err:
+        raise SketchcalError(f"the progress in {prog} is damaged; rerun with --overwrite") from err
+    return state, tensors
+
+
+def write_final(
+    out: Path,
+    tensors: dict[str, torch.Tensor],
+    manifest: dict[str, Any],
+    *,
+    shard_bytes: int = SHARD_BYTES,
+) -> dict[str, Any]:
+    """Write the shards (whole layers each, at most ``shard_bytes`` unless one layer is larger),
+    then the manifest (``"complete": true``, each layer entry given its ``shard``), then drop the
+    progress. ``manifest["layers"]`` lists ``{"layer", "heads", "groups", "key_dim", "value_dim"}``;
+    returns the manifest as written."""
+    layers = manifest["layers"]
+    by_layer: dict[int, dict[str, torch.Tensor]] = {entry["layer"]: {} for entry in layers}
+    for name, t in tensors.items():
+        by_layer[layer_of(name)][name] = t.contiguous()
+    groups: list[list[int]] = [[]]
+    size = 0
+    for entry in layers:
+        nbytes = sum(t.numel() * t.element_size() for t in by_layer[entry["layer"]].values())
+        if groups[-1] and size + nbytes > shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(entry["layer"])
+        size += nbytes
+    for i, group in enumerate(groups):
+        shard = shard_name(i + 1, len(groups))
+        with atomic_path(out / shard) as tmp:
+            save_file({k: v for layer in group for k, v in by_layer[layer].items()}, str(tmp))
+        for entry in layers:
+            if entry["layer"] in group:
+                entry["shard"] = shard
+    manifest = {**manifest, "complete": True}
+    write_json(out / MANIFEST, manifest)
+    shutil.rmtree(out / PROGRESS, ignore_errors=True)
+    return manifest
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
 
 
 @dataclass(frozen=True)
@@ -150,7 +334,7 @@ class Stats:
         """The sums of one layer and split (``calib`` or ``heldout``), checked for NaN/Inf."""
         li = self.info(layer)
         with self._open(li) as fh:
-            t = {n: self._read(fh, li, f"layers.{layer}.{split}.{n}") for n in MOMENT_NAMES}
+            t = {n: self._read(fh, li, tensor_name(layer, split, n)) for n in MOMENT_NAMES}
         m = Moments(
             E=t["E"].to(torch.float64),
             C=t["C"].to(torch.float64),
@@ -175,22 +359,18 @@ class Stats:
         if not self._has_windows[layer]:
             return None
         with self._open(li) as fh:
-            s = self._read(fh, li, f"layers.{layer}.heldout.windows.S")
-            u = self._read(fh, li, f"layers.{layer}.heldout.windows.u")
-            mask = self._read(fh, li, f"layers.{layer}.heldout.windows.mask")
+            s, u, mask = (
+                self._read(fh, li, tensor_name(layer, "heldout", n))
+                for n in window_layout(0, li.heads, li.key_dim, li.value_dim, self.window)
+            )
         if s.shape[0] == 0:
             return None
         return HeldoutWindows(S=s, u=u, mask=mask.to(torch.bool))
 
 
-def first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0][:160] if text else type(err).__name__
-
-
 def _bad_manifest(path: Path, why: str) -> SketchcalError:
     return SketchcalError(
-        f"{path / 'manifest.json'}: {why}; rerun sketchcal calibrate (it resumes an unfinished run)"
+        f"{path / MANIFEST}: {why}; rerun sketchcal calibrate (it resumes an unfinished run)"
     )
 
 
@@ -201,20 +381,21 @@ def _int(d: dict, key: str, where: str, path: Path, minimum: int = 0) -> int:
     return v
 
 
-def _read_manifest(path: Path) -> dict[str, Any]:
+def read_manifest(path: Path, *, require_complete: bool = True) -> dict[str, Any]:
+    """The validated manifest of the statistics directory ``path`` (format and version checked)."""
     if not path.exists():
         raise SketchcalError(f"statistics directory {path} does not exist")
     if not path.is_dir():
-        raise SketchcalError(f"{path} is not a statistics directory (expected a folder with manifest.json)")
-    mf = path / "manifest.json"
+        raise SketchcalError(f"{path} is not a statistics directory (expected a folder with {MANIFEST})")
+    mf = path / MANIFEST
     if not mf.exists():
-        if (path / "_progress").exists():
+        if (path / PROGRESS).exists():
             raise SketchcalError(
-                f"{path} holds an unfinished calibration (no manifest.json yet); "
+                f"{path} holds an unfinished calibration (no {MANIFEST} yet); "
                 "rerun sketchcal calibrate with the same --out to resume it"
             )
         raise SketchcalError(
-            f"no manifest.json in {path}: not a statistics directory, or the calibration "
+            f"no {MANIFEST} in {path}: not a statistics directory, or the calibration "
             "did not finish; rerun sketchcal calibrate"
         )
     try:
@@ -223,14 +404,14 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         raise _bad_manifest(path, f"unreadable or truncated JSON ({first_line(err)})") from err
     if not isinstance(manifest, dict):
         raise _bad_manifest(path, "not a JSON object")
-    if manifest.get("format") != STATS_FORMAT:
-        raise _bad_manifest(path, f"format is {manifest.get('format')!r}, expected {STATS_FORMAT!r}")
-    if manifest.get("version") != STATS_VERSION:
+    if manifest.get("format") != FORMAT:
+        raise _bad_manifest(path, f"format is {manifest.get('format')!r}, expected {FORMAT!r}")
+    if manifest.get("version") != VERSION:
         raise SketchcalError(
             f"{mf}: statistics format version {manifest.get('version')!r} is not supported "
-            f"(this sketchcal reads version {STATS_VERSION}); recalibrate or upgrade sketchcal"
+            f"(this sketchcal reads version {VERSION}); recalibrate or upgrade sketchcal"
         )
-    if manifest.get("complete") is not True:
+    if require_complete and manifest.get("complete") is not True:
         raise _bad_manifest(path, "the calibration is marked incomplete")
     return manifest
 
@@ -246,7 +427,7 @@ def load_stats(stats_dir: str | Path) -> Stats:
         SketchcalError: one line saying what is wrong and what to do.
     """
     path = Path(stats_dir)
-    manifest = _read_manifest(path)
+    manifest = read_manifest(path)
     model = manifest.get("model")
     if (
         not isinstance(model, dict)
@@ -291,7 +472,7 @@ def load_stats(stats_dir: str | Path) -> Stats:
         f = path / shard
         if not f.is_file():
             raise SketchcalError(
-                f"shard {shard} listed in {path / 'manifest.json'} is missing; "
+                f"shard {shard} listed in {path / MANIFEST} is missing; "
                 "copy the whole statistics directory or rerun sketchcal calibrate"
             )
         try:
@@ -312,18 +493,10 @@ def _check_layer_header(
     path: Path, shard: str, li: LayerInfo, window: int, header: dict[str, tuple[tuple[int, ...], str]]
 ) -> bool:
     h, k, v = li.heads, li.key_dim, li.value_dim
-    expect = {
-        "E": ((h, k, k), "F64"),
-        "C": ((h, k, k), "F64"),
-        "read_energy": ((h,), "F64"),
-        "E_col4": ((h,), "F64"),
-        "C_col4": ((h,), "F64"),
-        "n_checkpoints": ((1,), "I64"),
-        "n_reads": ((1,), "I64"),
-    }
+    expect = {name: (shape, _SAFETENSORS_DTYPES[dt]) for name, (shape, dt) in moment_layout(h, k).items()}
     for split in SPLITS:
         for name, (shape, dtype) in expect.items():
-            key = f"layers.{li.layer}.{split}.{name}"
+            key = tensor_name(li.layer, split, name)
             if key not in header:
                 raise SketchcalError(
                     f"{path / shard} lacks {key}: the shard is incomplete or from another "
@@ -336,7 +509,7 @@ def _check_layer_header(
                     f"expected {list(shape)} {dtype} from the manifest; the statistics do "
                     "not match their manifest"
                 )
-    names = [f"layers.{li.layer}.heldout.windows.{n}" for n in ("S", "u", "mask")]
+    names = [tensor_name(li.layer, "heldout", n) for n in window_layout(0, h, k, v, window)]
     present = [n in header for n in names]
     if not any(present):
         return False
@@ -351,3 +524,18 @@ def _check_layer_header(
             f"[R, {window - 1}, {h}, {k}], [R, {window - 1}]"
         )
     return True
+
+
+def load_stats_tensors(path: str | Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """Every tensor of a finished statistics directory at once: (manifest, tensors by name)."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    tensors: dict[str, Tensor] = {}
+    for shard in sorted({entry["shard"] for entry in manifest["layers"]}):
+        try:
+            tensors.update(load_file(str(path / shard)))
+        except (OSError, SafetensorError) as err:
+            raise SketchcalError(
+                f"{path / shard} is missing or truncated; rerun sketchcal calibrate"
+            ) from err
+    return manifest, tensors

@@ -1,23 +1,23 @@
-"""Synthetic statistics directories in the exact calibrate format (tests, demos, docs).
+"""Synthetic statistics directories in the calibrate format (test fixtures).
 
 The states and queries are random with a planted structure: per group, states live mostly in a
 random low-dimensional subspace and queries in a *different*, partially overlapping one, so the
 state-weighted basis, PCA and a random basis differ. Checkpoint scales are log-normal (heavy tails,
 as real states). Every sum is computed from the sampled windows, so moments, counts and the
-verbatim held-out sample are mutually consistent.
+verbatim held-out sample are mutually consistent. Names, layouts and files come from
+:mod:`sketchcal.formats.stats`, whose writer lays out one layer per shard here.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from sketchcal import __version__
+from sketchcal.formats.stats import FORMAT, VERSION, tensor_name, window_layout, write_final
 
 
 def gdn_layers(config) -> list[dict[str, int]]:
@@ -95,7 +95,8 @@ def _sample_layer(
     return s, u, mask
 
 
-def _sums(s: torch.Tensor, u: torch.Tensor, mask: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
+def _sums(s: torch.Tensor, u: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The sums of one (layer, split) by name (``sketchcal.formats.stats.moment_layout``)."""
     counted = mask.any(dim=1)  # a checkpoint counts when at least one read follows it
     sc = s[counted]
     mf = mask.to(s.dtype)
@@ -103,13 +104,13 @@ def _sums(s: torch.Tensor, u: torch.Tensor, mask: torch.Tensor, prefix: str) -> 
     col2 = (sc * sc).sum(dim=2)  # [n, H, V]
     un2 = (u * u).sum(-1)  # [n, L−1, H]
     return {
-        f"{prefix}.E": torch.einsum("nhkv,nhjv->hkj", sc, sc),
-        f"{prefix}.C": torch.einsum("nt,nthk,nthj->hkj", mf, u, u),
-        f"{prefix}.read_energy": torch.einsum("nt,nthv->h", mf, reads * reads),
-        f"{prefix}.E_col4": (col2 * col2).sum(dim=(0, 2)),
-        f"{prefix}.C_col4": torch.einsum("nt,nth->h", mf, un2 * un2),
-        f"{prefix}.n_checkpoints": torch.tensor([int(counted.sum())], dtype=torch.int64),
-        f"{prefix}.n_reads": torch.tensor([int(mask.sum())], dtype=torch.int64),
+        "E": torch.einsum("nhkv,nhjv->hkj", sc, sc),
+        "C": torch.einsum("nt,nthk,nthj->hkj", mf, u, u),
+        "read_energy": torch.einsum("nt,nthv->h", mf, reads * reads),
+        "E_col4": (col2 * col2).sum(dim=(0, 2)),
+        "C_col4": torch.einsum("nt,nth->h", mf, un2 * un2),
+        "n_checkpoints": torch.tensor([int(counted.sum())], dtype=torch.int64),
+        "n_reads": torch.tensor([int(mask.sum())], dtype=torch.int64),
     }
 
 
@@ -141,8 +142,7 @@ def write_synthetic_stats(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
-    n_shards = len(layers)
-    entries = []
+    tensors: dict[str, torch.Tensor] = {}
     tokens = {"calib": {"prompt": 0, "decode": 0}, "heldout": {"prompt": 0, "decode": 0}}
     for idx, spec in enumerate(layers):
         k, g = spec["key_dim"], spec["groups"]
@@ -153,24 +153,19 @@ def write_synthetic_stats(
             uq, r = torch.linalg.qr(us + overlap * noise)  # a perturbed copy of the state basis
             basis["state"].append(us)
             basis["query"].append(uq * torch.sign(torch.diagonal(r)))
-        tensors: dict[str, torch.Tensor] = {}
         for split, n in (("calib", calib_windows), ("heldout", heldout_windows)):
             s, u, mask = _sample_layer(spec, window, n, gen, basis)
-            tensors.update(_sums(s, u, mask, f"layers.{spec['layer']}.{split}"))
+            for name, t in _sums(s, u, mask).items():
+                tensors[tensor_name(spec["layer"], split, name)] = t
             tokens[split]["decode"] += int(mask.sum()) + n if idx == 0 else 0
             if split == "heldout":
                 r = min(kept_windows, n)
-                p = f"layers.{spec['layer']}.heldout.windows"
-                tensors[f"{p}.S"] = s[:r].to(torch.float32)
-                tensors[f"{p}.u"] = u[:r].to(torch.float32)
-                tensors[f"{p}.mask"] = mask[:r].to(torch.uint8)
-        shard = f"stats-{idx + 1:05d}-of-{n_shards:05d}.safetensors"
-        save_file({name: t.contiguous() for name, t in tensors.items()}, str(out / shard))
-        entries.append({**spec, "shard": shard})
+                sample = window_layout(r, spec["heads"], spec["key_dim"], spec["value_dim"], window)
+                for (name, (_, dt)), t in zip(sample.items(), (s, u, mask), strict=True):
+                    tensors[tensor_name(spec["layer"], split, name)] = t[:r].to(dt)
     manifest: dict[str, Any] = {
-        "format": "sketchcal-stats",
-        "version": 1,
-        "complete": True,
+        "format": FORMAT,
+        "version": VERSION,
         "tool": {"name": "sketchcal", "version": __version__},
         "model": {
             "id": model_id,
@@ -187,7 +182,7 @@ def write_synthetic_stats(
         "prompt_len": 0,
         "tokens": tokens,
         "samples": {"calib": calib_windows, "heldout": heldout_windows},
-        "layers": entries,
+        "layers": [dict(spec) for spec in layers],
     }
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    write_final(out, tensors, manifest, shard_bytes=0)  # one layer per shard
     return out
