@@ -43,6 +43,9 @@ def option(
         cli: False for an API-only field (no CLI option).
         cli_type: the type the CLI parses when it differs from the field's (e.g. a list for a tuple).
         defines_run: part of what identifies a calibration run (a resumed run must match it).
+
+    It returns a ``dataclasses.field``; ruff's RUF009 cannot see that, hence its ``noqa`` on the
+    fields whose type is not an immutable builtin.
     """
     meta = {
         "help": help,
@@ -82,9 +85,7 @@ class CommandSettings:
 def cli_fields(settings: type) -> list[tuple[Field, Any]]:
     """The fields the CLI exposes, each with the type the CLI parses, in declaration order."""
     hints = typing.get_type_hints(settings)
-    return [
-        (f, f.metadata.get("cli_type") or hints[f.name]) for f in fields(settings) if f.metadata.get("cli", True)
-    ]
+    return [(f, f.metadata["cli_type"] or hints[f.name]) for f in fields(settings) if f.metadata["cli"]]
 
 
 def api_signature(settings: type, positional: str) -> inspect.Signature:
@@ -94,7 +95,9 @@ def api_signature(settings: type, positional: str) -> inspect.Signature:
     params = []
     for f in fields(settings):
         default = inspect.Parameter.empty if f.default is MISSING else f.default
-        kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if f.name == positional else inspect.Parameter.KEYWORD_ONLY
+        kind = inspect.Parameter.KEYWORD_ONLY
+        if f.name == positional:
+            kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
         params.append(inspect.Parameter(f.name, kind, default=default, annotation=hints[f.name]))
     params.sort(key=lambda p: p.kind)
     return inspect.Signature(params)
@@ -127,7 +130,7 @@ class CalibrateSettings(CommandSettings):
     model: str | None = option(
         None, "Hub id, local directory or builtin:NAME (default: builtin:tiny-gdn)", argument=True
     )
-    out: Path = option(Path("stats"), "Statistics directory to write", defines_run=False)
+    out: Path = option(Path("stats"), "Statistics directory to write", defines_run=False)  # noqa: RUF009
     data: str | None = option(
         None, "builtin (default), a .txt/.jsonl/.parquet file or folder, or a dataset id"
     )
@@ -145,9 +148,7 @@ class CalibrateSettings(CommandSettings):
     temperature: float = option(1.0, "Sampling temperature")
     device: str = option("auto", "auto, cpu, cuda, cuda:N", defines_run=False)
     dtype: str = option("auto", "auto, float32, bfloat16, float16")
-    device_map: str | None = option(
-        None, "e.g. auto: split a large model over the GPUs", defines_run=False
-    )
+    device_map: str | None = option(None, "e.g. auto: split a large model over the GPUs", defines_run=False)
     revision: str | None = option(None, "Model revision (branch, tag or commit)")
     trust_remote_code: bool = option(
         False, "Allow the model's own code (only if you trust it)", defines_run=False
@@ -193,7 +194,7 @@ class ConvertSettings(CommandSettings):
     """
 
     stats_dir: str = option(help="Statistics directory written by calibrate, or a Hub id", argument=True)
-    out: Path | None = option(None, "Model directory to write (must not exist)")
+    out: Path | None = option(None, "Model directory to write (must not exist)")  # noqa: RUF009
     rank: float | None = option(None, "Mean rank over all heads (dense heads count as K)")
     bytes_per_token: float | None = option(
         None, "State traffic budget, bytes per sequence and token (instead of --rank)"
@@ -246,9 +247,7 @@ class VerifySettings(CommandSettings):
     """
 
     model_dir: str = option(help="Directory written by sketchcal convert, or a Hub id", argument=True)
-    baseline: str | None = option(
-        None, "Full-state model (default: the weights in DIR, else its base)"
-    )
+    baseline: str | None = option(None, "Full-state model (default: the weights in DIR, else its base)")
     data: str | None = option(None, "Held-out text source (default: the built-in corpus)")
     tokens: int = option(128, "Teacher-forced decode tokens per sample")
     rank: tuple[float, ...] = option(
@@ -258,8 +257,8 @@ class VerifySettings(CommandSettings):
     samples: int = option(16, "Held-out samples")
     batch_size: int = option(8, "Samples per batch")
     read_dtype: str | None = option(None, "Read copy / sketch precision: fp32, bf16, fp16, fp8")
-    stats: Path | None = option(None, "Calibration statistics (default: the artifact's provenance)")
-    out: Path | None = option(None, "Report folder (default DIR/verify; verify-NAME for a Hub id)")
+    stats: Path | None = option(None, "Calibration statistics (default: the artifact's)")  # noqa: RUF009
+    out: Path | None = option(None, "Report folder (default DIR/verify, or verify-NAME)")  # noqa: RUF009
     ablations: bool = option(True, "Also run PCA, random and shared-precision ablations")
     retrieval: bool = option(True, "Run the associative-recall test")
     plots: bool = option(True, "Write the PNG plots")
