@@ -116,10 +116,11 @@ def inspect(
     plots: Annotated[bool, typer.Option(help="Write the rank heatmap and error-vs-rank plots")] = True,
 ) -> None:
     """Per-layer ranks, predicted errors and bytes of a converted model, with plots."""
-    from sketchcal.artifact import inspect as run
-    from sketchcal.ui import console
+    from rich.console import Console
 
-    run(model_dir, plots_dir, plots=plots, console=console)
+    from sketchcal.artifact import inspect as run
+
+    run(model_dir, plots_dir, plots=plots, console=Console())
 
 
 @app.command()

@@ -216,3 +216,29 @@ def test_cli_bad_value_is_one_line_exit_2(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and "exactly one budget" in lines[0]
     assert not (tmp_path / "o").exists()
+
+
+def test_convert_command_end_to_end_results_on_stdout(tmp_path):
+    from sketchcal.artifact import config_fingerprint, read_sketch
+    from sketchcal.artifact.synthetic import gdn_layers, tiny_gdn_model, write_synthetic_stats
+
+    model = tmp_path / "model"
+    cfg = tiny_gdn_model(model)
+    fp = config_fingerprint(model)
+    stats = write_synthetic_stats(
+        tmp_path / "stats", gdn_layers(cfg), fingerprint=fp, model_id=str(model), window=8
+    )
+    out = tmp_path / "out"
+    args = ["convert", str(stats), "--rank", "6", "--out", str(out), "--shrinkage", "oas", "--no-progress"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "sketchcal", *args, "--reference-only"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"},
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "E shrinkage:" in proc.stdout and "E shrinkage:" not in proc.stderr
+    art = read_sketch(out, cfg)
+    assert art.config["shrinkage"]["method"] == "oas" and art.config["base_model"]["weights"] == "reference"
+    assert art.config["summary"]["mean_rank"] <= 6 + 1e-9

@@ -8,7 +8,6 @@ import resource
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -225,6 +224,8 @@ def run_calibration(settings: CalibrateSettings) -> dict[str, Any]:
     if world.is_main:
         prepare_out_dir(out, resume=s.resume, overwrite=s.overwrite, clear=False)
 
+    from rich.console import Console
+
     from sketchcal.data import build_samples
     from sketchcal.ui import console, progress_bar, summary_table
 
@@ -346,7 +347,8 @@ def run_calibration(settings: CalibrateSettings) -> dict[str, Any]:
     }
     manifest = write_final(out, totals, manifest)
     spectra_plot(out / "calibration.png", manifest, totals)
-    console.print(summary_table(manifest, totals))
-    console.print(f"statistics in {out}/ · spectra plot {out / 'calibration.png'}")
+    results = Console()  # the summary is a result: stdout; progress and notes go to stderr
+    results.print(summary_table(manifest, totals))
+    results.print(f"statistics in {out}/ · spectra plot {out / 'calibration.png'}")
     world.barrier()
     return manifest

@@ -349,9 +349,11 @@ verify.__signature__ = api_signature(VerifySettings, "model_dir")  # type: ignor
 
 def run_verify(settings: VerifySettings) -> VerifyResult:
     """:func:`verify` for a settings object."""
+    from rich.console import Console
+
     from sketchcal.data import build_samples
     from sketchcal.hub.resolve import is_hub_id, resolve
-    from sketchcal.ui import console, progress_bar
+    from sketchcal.ui import progress_bar
     from sketchcal.verify.report import print_table, write_report
 
     s = settings
@@ -472,7 +474,7 @@ def run_verify(settings: VerifySettings) -> VerifyResult:
         notes=notes,
     )
     result.files = write_report(result, out_dir, plots=s.plots)
-    print_table(result, console)
+    print_table(result, Console())  # the table is a result: stdout; progress goes to stderr
     return result
 
 
