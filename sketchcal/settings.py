@@ -70,15 +70,16 @@ class CommandSettings:
         for f in fields(self):  # type: ignore[arg-type]
             value, kinds = getattr(self, f.name), _types_in(hints[f.name])
             if isinstance(value, str) and Path in kinds:
-                object.__setattr__(self, f.name, Path(value))
+                self._set(f.name, Path(value))
             elif isinstance(value, os.PathLike) and str in kinds and Path not in kinds:
-                object.__setattr__(self, f.name, os.fspath(value))
+                self._set(f.name, os.fspath(value))
         self.check()
 
     def check(self) -> None:
         """Raise a one-line :class:`SketchcalError` for a value no run can use."""
 
     def _set(self, name: str, value: Any) -> None:
+        """Replace a field while the (frozen) object is being made."""
         object.__setattr__(self, name, value)
 
 
@@ -103,11 +104,11 @@ def api_signature(settings: type, positional: str) -> inspect.Signature:
     return inspect.Signature(params)
 
 
-def _positive(settings: CommandSettings, *names: str, message: str = "must be positive") -> None:
+def _positive(settings: CommandSettings, *names: str) -> None:
     for name in names:
         value = getattr(settings, name)
         if value < 1:
-            raise SketchcalError(f"--{name.replace('_', '-')} {message} (got {value})")
+            raise SketchcalError(f"--{name.replace('_', '-')} must be positive (got {value})")
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
