@@ -1,14 +1,25 @@
-"""The ``sketchcal`` command line: a thin Typer shell over the Python API."""
+"""The ``sketchcal`` command line: a thin Typer shell over the Python API.
+
+``calibrate``, ``convert`` and ``verify`` are built from their settings dataclasses
+(:mod:`sketchcal.settings`), so every option is written once for the CLI and the API. Nothing heavy
+is imported here: each command imports its machinery when it runs, so ``--help`` stays fast.
+"""
 
 from __future__ import annotations
 
+import importlib
+import inspect as pyinspect
 import sys
+from collections.abc import Callable
+from dataclasses import MISSING
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
+from sketchcal import __version__
 from sketchcal.errors import SketchcalError
+from sketchcal.settings import CalibrateSettings, ConvertSettings, VerifySettings, cli_fields
 
 app = typer.Typer(
     name="sketchcal",
@@ -16,136 +27,84 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # click's plain help: rendering it with rich costs more than the rest of --help
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"sketchcal {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit"),
+    ] = False,
+) -> None:
     """sketchcal: offline calibration for SketchSSM decoding."""
 
 
-@app.command()
-def calibrate(
-    model: Annotated[
-        str | None, typer.Argument(help="Hub id, local directory or builtin:NAME (default: builtin:tiny-gdn)")
-    ] = None,
-    out: Annotated[Path, typer.Option(help="Statistics directory to write")] = Path("stats"),
-    data: Annotated[
-        str | None,
-        typer.Option(help="builtin (default), a .txt/.jsonl/.parquet file or folder, or a dataset id"),
-    ] = None,
-    samples: Annotated[int, typer.Option(help="Calibration samples")] = 64,
-    seq_len: Annotated[int, typer.Option(help="Tokens per sample")] = 256,
-    gen_tokens: Annotated[
-        int, typer.Option(help="Tokens to generate after each sample (0: teacher-forced)")
-    ] = 0,
-    prompt_len: Annotated[
-        int | None, typer.Option(help="Prompt tokens when not generating (default: half the sample)")
-    ] = None,
-    window: Annotated[int, typer.Option(help="Window length L (tokens per flush)")] = 16,
-    heldout_samples: Annotated[int | None, typer.Option(help="Held-out samples (default: samples/8)")] = None,
-    heldout_windows: Annotated[int, typer.Option(help="Held-out windows kept verbatim per layer")] = 64,
-    batch_size: Annotated[int, typer.Option(help="Samples per batch")] = 8,
-    seed: Annotated[int, typer.Option(help="Seed for sample selection and sampling")] = 0,
-    chat_template: Annotated[
-        bool, typer.Option(help="Wrap samples in the tokenizer's chat template")
-    ] = False,
-    sample: Annotated[bool, typer.Option("--sample/--greedy", help="Sample generated tokens")] = False,
-    temperature: Annotated[float, typer.Option(help="Sampling temperature")] = 1.0,
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N")] = "auto",
-    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16, float16")] = "auto",
-    device_map: Annotated[
-        str | None, typer.Option(help="e.g. auto: split a large model over the GPUs")
-    ] = None,
-    revision: Annotated[str | None, typer.Option(help="Model revision (branch, tag or commit)")] = None,
-    trust_remote_code: Annotated[
-        bool, typer.Option(help="Allow the model's own code (only if you trust it)")
-    ] = False,
-    text_field: Annotated[str, typer.Option(help="Text field of .jsonl/.parquet/dataset rows")] = "text",
-    data_revision: Annotated[str | None, typer.Option(help="Dataset revision")] = None,
-    resume: Annotated[bool, typer.Option(help="Continue an interrupted run in --out")] = False,
-    overwrite: Annotated[bool, typer.Option(help="Replace the statistics in --out")] = False,
-    save_every: Annotated[int, typer.Option(help="Save progress every N rounds of batches")] = 4,
+def _load(target: str) -> Callable[..., Any]:
+    """``"module:attr"`` imported when a command runs."""
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def settings_command(
+    name: str,
+    settings: type,
+    target: str,
+    help: str,
+    *,
+    show: str | None = None,
+    extra: Callable[[], dict[str, Any]] | None = None,
 ) -> None:
-    """Capture window-aligned state and effective-query statistics of MODEL."""
-    from sketchcal import calibrate as run
+    """Register command ``name`` whose parameters are the CLI fields of ``settings``.
 
-    run(
-        model,
-        out=out,
-        data=data,
-        samples=samples,
-        seq_len=seq_len,
-        gen_tokens=gen_tokens,
-        prompt_len=prompt_len,
-        window=window,
-        heldout_samples=heldout_samples,
-        heldout_windows=heldout_windows,
-        batch_size=batch_size,
-        seed=seed,
-        chat_template=chat_template,
-        do_sample=sample,
-        temperature=temperature,
-        device=device,
-        dtype=dtype,
-        device_map=device_map,
-        revision=revision,
-        trust_remote_code=trust_remote_code,
-        text_field=text_field,
-        data_revision=data_revision,
-        resume=resume,
-        overwrite=overwrite,
-        save_every=save_every,
-    )
+    The command calls the API function ``target`` (``"module:function"``) with the parsed values
+    (plus ``extra()``: API-only fields the CLI fills in), and passes its result to ``show`` if given.
+    """
+
+    def command(**values: Any) -> None:
+        result = _load(target)(**values, **(extra() if extra else {}))
+        if show is not None:
+            from rich.console import Console
+
+            _load(show)(result, Console())
+
+    params = []
+    for f, cli_type in cli_fields(settings):
+        meta = f.metadata
+        if meta["argument"]:
+            info: Any = typer.Argument(help=meta["help"])
+        else:
+            info = typer.Option(*([meta["flag"]] if meta["flag"] else []), help=meta["help"])
+        default = pyinspect.Parameter.empty if f.default is MISSING else f.default
+        typed = Annotated[cli_type, info]
+        params.append(
+            pyinspect.Parameter(f.name, pyinspect.Parameter.KEYWORD_ONLY, default=default, annotation=typed)
+        )
+    command.__signature__ = pyinspect.Signature(params)  # type: ignore[attr-defined]
+    command.__name__ = name
+    app.command(name, help=help)(command)
 
 
-@app.command()
-def convert(
-    stats_dir: Annotated[str, typer.Argument(help="Statistics directory written by calibrate, or a Hub id")],
-    out: Annotated[Path, typer.Option(help="Model directory to write (must not exist)")],
-    rank: Annotated[
-        float | None, typer.Option(help="Mean rank over all heads (dense heads count as K)")
-    ] = None,
-    bytes_per_token: Annotated[
-        float | None,
-        typer.Option(help="State traffic budget, bytes per sequence and token (instead of --rank)"),
-    ] = None,
-    model: Annotated[
-        str | None,
-        typer.Option(help="Base model (directory, cached Hub id or builtin:NAME); default: the stats'"),
-    ] = None,
-    reference_only: Annotated[bool, typer.Option(help="Write config + sketch only, no weights")] = False,
-    basis: Annotated[str, typer.Option(help="state (default), or the ablations pca / random")] = "state",
-    shrinkage: Annotated[str, typer.Option(help="auto, ledoit_wolf, oas or none")] = "auto",
-    seed: Annotated[int, typer.Option(help="Seed of the random-basis ablation")] = 0,
-    stats_revision: Annotated[
-        str | None, typer.Option(help="Revision of STATS_DIR when it is a Hub id")
-    ] = None,
-    revision: Annotated[str | None, typer.Option(help="Revision of --model when it is a Hub id")] = None,
-) -> None:
-    """Fit sketch bases, allocate per-head ranks and write a loadable model directory."""
-    from sketchcal.artifact import convert as run
-    from sketchcal.artifact.report import print_convert_result
-    from sketchcal.ui import console
-
-    if (rank is None) == (bytes_per_token is None):
-        raise SketchcalError("give exactly one budget: --rank M or --bytes-per-token B")
-    from sketchcal.hub.resolve import is_hub_id, resolve
-
-    if is_hub_id(model):
-        model = str(resolve(model, revision=revision))
-    result = run(
-        resolve(stats_dir, revision=stats_revision),
-        rank=rank,
-        bytes_per_token=bytes_per_token,
-        out=out,
-        model=model,
-        reference_only=reference_only,
-        basis=basis,
-        shrinkage=shrinkage,
-        seed=seed,
-    )
-    print_convert_result(result, console=console)
+settings_command(
+    "calibrate",
+    CalibrateSettings,
+    "sketchcal.calibrate.run:calibrate",
+    "Capture window-aligned state and effective-query statistics of MODEL.",
+)
+settings_command(
+    "convert",
+    ConvertSettings,
+    "sketchcal.artifact.convert:convert",
+    "Fit sketch bases, allocate per-head ranks and write a loadable model directory.",
+    show="sketchcal.artifact.report:print_convert_result",
+)
 
 
 @app.command()
@@ -157,10 +116,11 @@ def inspect(
     plots: Annotated[bool, typer.Option(help="Write the rank heatmap and error-vs-rank plots")] = True,
 ) -> None:
     """Per-layer ranks, predicted errors and bytes of a converted model, with plots."""
-    from sketchcal.artifact import inspect as run
-    from sketchcal.ui import console
+    from rich.console import Console
 
-    run(model_dir, plots_dir, plots=plots, console=console)
+    from sketchcal.artifact import inspect as run
+
+    run(model_dir, plots_dir, plots=plots, console=Console())
 
 
 @app.command()
@@ -197,61 +157,13 @@ def bench(
     )
 
 
-@app.command()
-def verify(
-    model_dir: Annotated[str, typer.Argument(help="Directory written by sketchcal convert, or a Hub id")],
-    baseline: Annotated[
-        str | None, typer.Option(help="Full-state model (default: the weights in DIR, else its base)")
-    ] = None,
-    data: Annotated[
-        str | None, typer.Option(help="Held-out text source (default: the built-in corpus)")
-    ] = None,
-    tokens: Annotated[int, typer.Option(help="Teacher-forced decode tokens per sample")] = 128,
-    rank: Annotated[
-        list[float] | None, typer.Option(help="Mean-rank budgets to sweep (repeat the option)")
-    ] = None,
-    prompt: Annotated[int, typer.Option(help="Prompt tokens prefilled before decoding")] = 32,
-    samples: Annotated[int, typer.Option(help="Held-out samples")] = 16,
-    batch_size: Annotated[int, typer.Option(help="Samples per batch")] = 8,
-    read_dtype: Annotated[
-        str | None, typer.Option(help="Read copy / sketch precision: fp32, bf16, fp16, fp8")
-    ] = None,
-    stats: Annotated[
-        Path | None, typer.Option(help="Calibration statistics (default: the artifact's provenance)")
-    ] = None,
-    out: Annotated[Path | None, typer.Option(help="Report folder (default DIR/verify)")] = None,
-    ablations: Annotated[
-        bool, typer.Option(help="Also run PCA, random and shared-precision ablations")
-    ] = True,
-    retrieval: Annotated[bool, typer.Option(help="Run the associative-recall test")] = True,
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda")] = "auto",
-    seed: Annotated[int, typer.Option(help="Seed for sample selection")] = 0,
-    revision: Annotated[str | None, typer.Option(help="Revision when MODEL_DIR is a Hub id")] = None,
-) -> None:
-    """Accuracy and traffic of a converted model in standard, replay and sketch modes."""
-    from sketchcal.hub.resolve import is_hub_id, resolve
-    from sketchcal.verify import verify as run
-
-    if is_hub_id(model_dir) and out is None:
-        out = Path("verify-" + model_dir.split("/")[-1])  # never write into the Hugging Face cache
-    run(
-        resolve(model_dir, revision=revision),
-        baseline=baseline,
-        data=data,
-        tokens=tokens,
-        rank=rank or None,
-        out=out,
-        prompt=prompt,
-        samples=samples,
-        batch_size=batch_size,
-        read_dtype=read_dtype,
-        stats=stats,
-        ablations=ablations,
-        retrieval=retrieval,
-        device=device,
-        seed=seed,
-        command="sketchcal " + " ".join(sys.argv[1:]),
-    )
+settings_command(
+    "verify",
+    VerifySettings,
+    "sketchcal.verify.run:verify",
+    "Accuracy and traffic of a converted model in standard, replay and sketch modes.",
+    extra=lambda: {"command": "sketchcal " + " ".join(sys.argv[1:])},
+)
 
 
 @app.command()
@@ -308,9 +220,9 @@ def main() -> None:
     try:
         app()
     except SketchcalError as err:
-        from sketchcal.ui import console
+        from rich.console import Console
 
-        console.print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
+        Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)

@@ -137,3 +137,31 @@ def test_recall_task_is_well_formed(loaded):
     logits = torch.zeros(3, 64, len(loaded.tokenizer))  # argmax 0: never a word token
     hits = recall_hits(logits, rs.query_pos, rs.answers, 3)
     assert hits.shape == rs.answers.shape and not hits.any()
+
+
+def test_refits_in_memory_equal_a_written_conversion(artifact, tmp_path):
+    """verify's re-fits hold exactly what ``convert`` writes for the same budget and basis."""
+    from sketchcal.artifact import load_stats, read_sketch
+    from sketchcal.verify.run import Refits
+
+    art = read_sketch(artifact / "art")
+    refits = Refits(load_stats(artifact / "stats"), art)
+    rank, basis = 6, "pca"
+    mem = refits(rank, basis)
+    assert refits(rank, basis) is mem  # fitted once
+    convert(
+        artifact / "stats",
+        rank=rank,
+        basis=basis,
+        out=tmp_path / basis,
+        reference_only=True,
+        shrinkage="ledoit_wolf",
+        progress=False,
+    )
+    disk = read_sketch(tmp_path / basis)
+    assert mem.fingerprint == disk.fingerprint
+    assert mem.config == {k: v for k, v in disk.config.items() if k != "calibration"}
+    for a, b in zip(mem.layers, disk.layers, strict=True):
+        assert a.layer == b.layer and a.frame.dtype == b.frame.dtype == torch.float32
+        for name in ("frame", "coef", "ranks"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), (a.layer, name)

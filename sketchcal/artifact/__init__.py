@@ -3,9 +3,7 @@
 
 Public API::
 
-    convert(stats_dir, rank=None, bytes_per_token=None, out=None, model=None, reference_only=False,
-            basis="state", *, coef="state", shrinkage="ledoit_wolf", read_dtype="float32",
-            buffer_dtype="bfloat16", seed=0) -> ConvertResult
+    convert(stats_dir, **options) -> ConvertResult   # options: sketchcal.settings.ConvertSettings
     inspect(model_dir, plots_dir=None, *, plots=True, console=None) -> InspectResult
     load_stats(stats_dir) -> Stats
     read_sketch(model_dir, config=None) -> SketchArtifact

@@ -11,21 +11,33 @@ calibration/allocation.json      the allocation summary, per layer
 calibration/curves.safetensors   per-layer error curves (for inspect)
 *.safetensors, tokenizer ...     the base model's files, hard-linked (else copied); absent when reference-only
 ```
+
+:func:`convert` is three steps, each usable alone: :func:`resolve_inputs` (statistics, base model,
+checks; reads only) → :func:`fit_sketch` (bases and per-head ranks under the budget, in memory) →
+:func:`write_artifact` (the directory, atomically). ``verify`` re-fits its rank sweeps and ablations
+with :func:`fit_sketch` and :func:`sketch_section` without writing anything.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import save_file
 
 from sketchcal.artifact.card import model_card
 from sketchcal.artifact.fingerprint import config_fingerprint, load_config
-from sketchcal.artifact.modelsrc import has_pickled_weights, has_safetensors, place_files, resolve_base
+from sketchcal.artifact.modelsrc import (
+    BaseModel,
+    has_pickled_weights,
+    has_safetensors,
+    place_files,
+    resolve_base,
+)
 from sketchcal.artifact.sketch import (
     CONFIG_KEY,
     PRODUCER,
@@ -37,14 +49,17 @@ from sketchcal.artifact.sketch import (
 )
 from sketchcal.errors import SketchcalError, first_line
 from sketchcal.fit.allocate import Allocation, allocate, validate_budget
-from sketchcal.fit.basis import BASIS_KINDS
 from sketchcal.fit.evaluate import fit_all
-from sketchcal.fit.layer import COEF_KINDS, LayerFit
+from sketchcal.fit.layer import LayerFit
 from sketchcal.fit.ranks import SUPPORTED_RANKS
 from sketchcal.fit.shrinkage import SHRINKAGE_METHODS
 from sketchcal.fit.traffic import TrafficModel, dtype_bytes
 from sketchcal.formats.stats import Stats, load_stats
 from sketchcal.fsutil import atomic_dir, finite_json
+from sketchcal.settings import ConvertSettings, api_signature
+
+if TYPE_CHECKING:
+    from sketchcal.models.loading import LoadedModel
 
 CURVES_FILE = "calibration/curves.safetensors"
 ALLOCATION_FILE = "calibration/allocation.json"
@@ -65,50 +80,13 @@ class ConvertResult:
     notes: list[str] = field(default_factory=list)
 
 
-def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise SketchcalError(f"--{name} must be one of {', '.join(allowed)}, got {value!r}")
-
-
-def convert(
-    stats_dir: str | Path,
-    rank: float | None = None,
-    bytes_per_token: float | None = None,
-    out: str | Path | None = None,
-    model: str | Path | None = None,
-    reference_only: bool = False,
-    basis: str = "state",
-    *,
-    coef: str = "state",
-    shrinkage: str = "auto",
-    read_dtype: str = "float32",
-    buffer_dtype: str = "bfloat16",
-    seed: int = 0,
-) -> ConvertResult:
+def convert(stats_dir: str | Path, **options: Any) -> ConvertResult:
     """Fit sketch bases from a statistics directory, allocate per-head ranks and write a model directory.
 
-    Args:
-        stats_dir: the directory ``sketchcal calibrate`` wrote (docs/stats-format.md).
-        rank: mean rank budget over all heads of all layers (dense heads count as K). Exactly one of
-            ``rank`` / ``bytes_per_token``.
-        bytes_per_token: state-traffic budget in bytes per sequence and decoded token, all mixer
-            layers together (byte model: :mod:`sketchcal.fit.traffic`).
-        out: output directory; must not exist.
-        model: local directory, locally cached hub id, or ``builtin:NAME`` package model to take config
-            and weights from; default: the statistics' model id if it is available locally. Its
-            fingerprint must match the statistics'. Weights of a local directory are hard-linked
-            (else copied); a built-in model is saved.
-        reference_only: write config + sketch only, referring to the base model for the weights.
-            Also the fallback (with a note) when no base model is available locally.
-        basis: ``"state"`` (state-weighted), or the ablations ``"pca"`` (E = I) and ``"random"``.
-        coef: ``"state"`` (state-weighted least-squares maps) or ``"projection"`` (E = I ablation).
-        shrinkage: E estimator, ``"ledoit_wolf"``, ``"oas"``, ``"none"``, or ``"auto"`` (default): fit
-            with each and keep the one whose allocation has the lowest held-out error (measured on the
-            held-out windows, else predicted from the held-out moments); all scores are recorded.
-        read_dtype: dtype of the read copy / sketch (``float32``: the fp32 checkpoint serves reads;
-            ``bfloat16`` / ``fp8``: two precisions). Only the byte model uses it.
-        buffer_dtype: dtype of the ReplaySSM buffer entries (byte model only).
-        seed: seed of the random basis.
+    ``stats_dir``: the directory ``sketchcal calibrate`` wrote (docs/stats-format.md), or a Hub id.
+    The options are the fields of :class:`~sketchcal.settings.ConvertSettings` (``out``, exactly one
+    of ``rank`` / ``bytes_per_token``, ``model``, ``reference_only``, ``basis``, ...), the same as
+    ``sketchcal convert``'s.
 
     Returns:
         :class:`ConvertResult`; ``result.notes`` holds things the user should read (fallbacks).
@@ -118,20 +96,95 @@ def convert(
             with ``model``, an invalid or unreachable budget, or an existing ``out``. Nothing is
             written in any of those cases.
     """
-    if out is None:
-        raise SketchcalError("give an output directory (--out DIR)")
-    out = Path(out)
-    if out.exists():
-        raise SketchcalError(f"{out} already exists; choose another --out or remove it first")
-    _choice("basis", basis, BASIS_KINDS)
-    _choice("coef", coef, COEF_KINDS)
-    _choice("shrinkage", shrinkage, ("auto", *SHRINKAGE_METHODS))
+    settings = ConvertSettings(stats_dir=stats_dir, **options)
+    inputs = resolve_inputs(settings)
+    fit = fit_sketch(
+        inputs.stats,
+        inputs.traffic,
+        rank=settings.rank,
+        bytes_per_token=settings.bytes_per_token,
+        basis=settings.basis,
+        coef=settings.coef,
+        shrinkage=settings.shrinkage,
+        seed=settings.seed,
+        progress=settings.progress,
+    )
+    return write_artifact(inputs, fit)
+
+
+convert.__signature__ = api_signature(ConvertSettings, "stats_dir")  # type: ignore[attr-defined]
+
+
+@dataclass
+class ConvertInputs:
+    """What :func:`resolve_inputs` found and checked: everything the fit and the writer need."""
+
+    settings: ConvertSettings
+    stats_dir: Path  # local (a Hub id is fetched first)
+    stats: Stats
+    base: BaseModel
+    base_config: Any | None  # the base model's PretrainedConfig, when one was found
+    builtin: LoadedModel | None  # a package model (builtin:NAME), built in memory
+    weights: str  # what write_artifact places: "full" (the base's files) | "saved" (builtin) | "reference"
+    traffic: list[TrafficModel]  # the byte model of each layer, in stats.layers order
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SketchFit:
+    """What :func:`fit_sketch` returns: the fitted layers, their allocation and the sketch tensors."""
+
+    fits: list[LayerFit]
+    allocation: Allocation
+    shrinkage: str  # the E estimator kept
+    shrinkage_scores: dict[str, float | None]  # held-out error of the allocation per estimator tried
+    layers: list[SketchLayer]  # frames and coefficient maps in float32, ranks in int32 (as stored)
+    notes: list[str] = field(default_factory=list)
+
+
+def traffic_models(
+    family: str, layers: Iterable[Any], window: int, read_dtype: str, buffer_dtype: str
+) -> list[TrafficModel]:
+    """The byte model of each layer (``key_dim``, ``value_dim``, ``heads_per_group`` attributes: a
+    :class:`~sketchcal.artifact.stats.LayerInfo` or a model's layer shape), fp32 checkpoints."""
     try:
         read_bytes, buffer_bytes = dtype_bytes(read_dtype), dtype_bytes(buffer_dtype)
     except ValueError as err:
         raise SketchcalError(str(err)) from None
+    return [
+        TrafficModel(
+            family=family,
+            key_dim=li.key_dim,
+            value_dim=li.value_dim,
+            window=window,
+            heads_per_group=li.heads_per_group,
+            state_bytes=4,
+            read_bytes=read_bytes,
+            buffer_bytes=buffer_bytes,
+        )
+        for li in layers
+    ]
+
+
+def resolve_inputs(settings: ConvertSettings) -> ConvertInputs:
+    """Find and check everything a conversion reads; nothing is written.
+
+    Fetches a Hub id given as ``stats_dir`` (or ``model``), loads and checks the statistics and the
+    budget against their key dims, locates the base model without network access (a directory, the
+    Hugging Face cache or ``builtin:NAME``), checks its fingerprint against the statistics', and
+    decides what ``write_artifact`` will place for the weights.
+
+    Raises:
+        SketchcalError: bad statistics (missing/truncated/NaN/incomplete), a budget above the key dim,
+            an unreadable base config or a fingerprint mismatch.
+    """
+    from sketchcal.hub.resolve import is_hub_id, resolve
+
+    s = settings
+    stats_dir = resolve(s.stats_dir, revision=s.stats_revision)
+    model = str(resolve(s.model, revision=s.revision)) if is_hub_id(s.model) else s.model
     stats = load_stats(stats_dir)
-    validate_budget(rank, bytes_per_token, max(li.key_dim for li in stats.layers))
+    validate_budget(s.rank, s.bytes_per_token, max(li.key_dim for li in stats.layers))
 
     notes: list[str] = []
     base = resolve_base(model, stats.model)
@@ -161,9 +214,9 @@ def convert(
                 "model or pass the model the statistics were taken on"
             )
     weights = "reference"
-    if not reference_only and builtin is not None:
+    if not s.reference_only and builtin is not None:
         weights = "saved"
-    elif not reference_only and base.path is not None:
+    elif not s.reference_only and base.path is not None:
         if has_safetensors(base.path):
             weights = "full"
         elif has_pickled_weights(base.path):
@@ -173,111 +226,8 @@ def convert(
             )
         else:
             notes.append(f"base model {base.path} has no weight files; wrote a reference-only directory")
-
-    traffic = [
-        TrafficModel(
-            family=stats.family,
-            key_dim=li.key_dim,
-            value_dim=li.value_dim,
-            window=stats.window,
-            heads_per_group=li.heads_per_group,
-            state_bytes=4,
-            read_bytes=read_bytes,
-            buffer_bytes=buffer_bytes,
-        )
-        for li in stats.layers
-    ]
-    fits, alloc, chosen, scores = _fit_and_allocate(
-        stats, traffic, rank, bytes_per_token, basis, coef, shrinkage, seed
-    )
-    notes.extend(alloc.notes)
-    if any(f.measured is None for f in fits):
-        notes.append(
-            "the statistics hold no held-out window sample for some layers: their measured error is n/a"
-        )
-
-    layers = [
-        SketchLayer(
-            layer=f.layer,
-            frame=f.frames,
-            coef=f.coef_maps(la.ranks),
-            ranks=torch.tensor(la.ranks, dtype=torch.int32),
-        )
-        for f, la in zip(fits, alloc.layers, strict=True)
-    ]
-    shrink_info = {
-        "method": chosen,
-        "selected_by": "held-out error of the allocation" if len(scores) > 1 else "given",
-        "heldout_error": scores,
-    }
-    section = _sketch_config(
-        stats,
-        base.id,
-        base.revision,
-        weights,
-        alloc,
-        traffic,
-        basis,
-        coef,
-        shrink_info,
-        read_dtype,
-        buffer_dtype,
-    )
-    # Provenance: verify re-fits ablations and rank sweeps from these statistics.
-    section["calibration"] = {"stats_dir": str(Path(stats_dir).resolve())}
-    with atomic_dir(out) as tmp:
-        placed_mode = "reference"
-        if weights == "full":
-            placed = place_files(base.path, tmp)
-            placed_mode = placed.mode
-            notes.extend(placed.notes)
-        elif weights == "saved":
-            builtin.model.save_pretrained(str(tmp))
-            builtin.tokenizer.save_pretrained(str(tmp))
-            placed_mode = "saved"
-        section["base_model"]["weights"] = placed_mode
-        if weights == "saved":
-            config = json.loads((tmp / "config.json").read_text())
-        elif base.path is not None:
-            config = json.loads((base.path / "config.json").read_text())  # the base's own file, unchanged
-        elif base_cfg is not None:
-            config = json.loads(base_cfg.to_json_string(use_diff=True))
-        else:
-            config = {"model_type": stats.model.get("model_type")}
-        if CONFIG_KEY in config:
-            notes.append("the base config already had a sketch_config section; replaced it")
-        config[CONFIG_KEY] = section
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        write_sketch(
-            tmp / SKETCH_FILE, layers, family=stats.family, window=stats.window, fingerprint=stats.fingerprint
-        )
-        (tmp / "calibration").mkdir()
-        (tmp / MANIFEST_COPY).write_text(json.dumps(stats.manifest, indent=2) + "\n")
-        (tmp / ALLOCATION_FILE).write_text(json.dumps(finite_json(alloc.to_dict()), indent=2) + "\n")
-        _write_curves(tmp / CURVES_FILE, fits)
-        (tmp / "README.md").write_text(
-            model_card(
-                base_id=base.id,
-                family=stats.family,
-                window=stats.window,
-                allocation=alloc,
-                weights=placed_mode,
-                basis=basis,
-                shrinkage=chosen,
-                stats_manifest=stats.manifest,
-                notes=notes,
-            )
-        )
-    return ConvertResult(
-        out=out,
-        allocation=alloc,
-        weights=placed_mode,
-        base_model=base.id,
-        sketch_config=section,
-        shrinkage=chosen,
-        shrinkage_scores=scores,
-        notes=notes,
-    )
+    traffic = traffic_models(stats.family, stats.layers, stats.window, s.read_dtype, s.buffer_dtype)
+    return ConvertInputs(s, stats_dir, stats, base, base_cfg, builtin, weights, traffic, notes)
 
 
 def _score(alloc: Allocation) -> float | None:
@@ -285,24 +235,30 @@ def _score(alloc: Allocation) -> float | None:
     return alloc.measured_error if alloc.measured_error is not None else alloc.heldout_predicted_error
 
 
-def _fit_and_allocate(
+def fit_sketch(
     stats: Stats,
     traffic: list[TrafficModel],
-    rank,
-    bytes_per_token,
-    basis: str,
-    coef: str,
-    shrinkage: str,
-    seed: int,
-):
-    """Fit and allocate; with ``shrinkage="auto"`` once per estimator, keeping the one whose allocation has
-    the lowest held-out error. Returns ``(fits, allocation, method, {method: held-out error})``."""
+    *,
+    rank: float | None = None,
+    bytes_per_token: float | None = None,
+    basis: str = "state",
+    coef: str = "state",
+    shrinkage: str = "auto",
+    seed: int = 0,
+    progress: bool = True,
+) -> SketchFit:
+    """Fit the bases of every layer of ``stats`` and allocate per-head ranks under one budget.
+
+    With ``shrinkage="auto"`` the layers are fitted once per E estimator and the one whose allocation
+    has the lowest held-out error is kept. The result holds the sketch tensors as they are stored, so
+    it can be written (:func:`write_artifact`) or used in memory (``verify``'s re-fits).
+    """
     from sketchcal.ui import progress_bar
 
     methods = SHRINKAGE_METHODS if shrinkage == "auto" else (shrinkage,)
     best = None
     scores: dict[str, float | None] = {}
-    with progress_bar() as bar:
+    with progress_bar(enabled=progress) as bar:
         task = bar.add_task("fitting bases", total=len(methods) * len(stats.layers))
         for meth in methods:
             fits = fit_all(
@@ -316,22 +272,38 @@ def _fit_and_allocate(
     fits, alloc, meth, score = best
     if shrinkage == "auto" and score is None:
         alloc.notes.append(f"no held-out data to choose the E shrinkage; used {meth}")
-    return fits, alloc, meth, scores
+    notes = list(alloc.notes)
+    if any(f.measured is None for f in fits):
+        notes.append(
+            "the statistics hold no held-out window sample for some layers: their measured error is n/a"
+        )
+    layers = [
+        SketchLayer(
+            layer=f.layer,
+            frame=f.frames.to(torch.float32),
+            coef=f.coef_maps(la.ranks).to(torch.float32),
+            ranks=torch.tensor(la.ranks, dtype=torch.int32),
+        )
+        for f, la in zip(fits, alloc.layers, strict=True)
+    ]
+    return SketchFit(fits, alloc, meth, scores, layers, notes)
 
 
-def _sketch_config(
+def sketch_section(
     stats: Stats,
-    base_id,
-    base_rev,
-    weights,
-    alloc: Allocation,
-    traffic: list[TrafficModel],
-    basis,
-    coef,
-    shrinkage,
-    read_dtype,
-    buffer_dtype,
+    fit: SketchFit,
+    *,
+    basis: str,
+    coef: str,
+    read_dtype: str,
+    buffer_dtype: str,
+    base_id: str | None,
+    base_revision: str | None,
+    weights: str,
 ) -> dict[str, Any]:
+    """The ``sketch_config`` section of config.json for ``fit`` (docs/sketch-format.md), without the
+    calibration provenance, which only a written artifact records."""
+    alloc = fit.allocation
     summary = finite_json(
         {k: v for k, v in alloc.to_dict().items() if k not in ("layers", "notes", "budget")}
     )
@@ -343,10 +315,14 @@ def _sketch_config(
         "family": stats.family,
         "window": stats.window,
         "fingerprint": stats.fingerprint,
-        "base_model": {"id": base_id, "revision": base_rev, "weights": weights},
+        "base_model": {"id": base_id, "revision": base_revision, "weights": weights},
         "basis": basis,
         "coef": coef,
-        "shrinkage": shrinkage,
+        "shrinkage": {
+            "method": fit.shrinkage,
+            "selected_by": "held-out error of the allocation" if len(fit.shrinkage_scores) > 1 else "given",
+            "heldout_error": fit.shrinkage_scores,
+        },
         "supported_ranks": list(SUPPORTED_RANKS),
         "traffic": {"state_dtype": "float32", "read_dtype": read_dtype, "buffer_dtype": buffer_dtype},
         "budget": alloc.budget,
@@ -363,6 +339,89 @@ def _sketch_config(
             for li, la in zip(stats.layers, alloc.layers, strict=True)
         ],
     }
+
+
+def write_artifact(inputs: ConvertInputs, fit: SketchFit) -> ConvertResult:
+    """Write the model directory ``inputs.settings.out`` for ``fit``, atomically (built under a
+    temporary name beside it and renamed into place; on any error nothing is left behind).
+
+    Places the base model's files as ``inputs.weights`` says (hard links, else copies; or the saved
+    built-in model), writes config.json with its ``sketch_config`` section, the sketch tensors, the
+    calibration provenance and curves, and the model card. Returns what was written.
+    """
+    s, stats, base = inputs.settings, inputs.stats, inputs.base
+    notes = [*inputs.notes, *fit.notes]
+    alloc = fit.allocation
+    section = sketch_section(
+        stats,
+        fit,
+        basis=s.basis,
+        coef=s.coef,
+        read_dtype=s.read_dtype,
+        buffer_dtype=s.buffer_dtype,
+        base_id=base.id,
+        base_revision=base.revision,
+        weights=inputs.weights,
+    )
+    # Provenance: verify re-fits ablations and rank sweeps from these statistics.
+    section["calibration"] = {"stats_dir": str(inputs.stats_dir.resolve())}
+    with atomic_dir(s.out) as tmp:
+        placed_mode = "reference"
+        if inputs.weights == "full":
+            placed = place_files(base.path, tmp)
+            placed_mode = placed.mode
+            notes.extend(placed.notes)
+        elif inputs.weights == "saved":
+            inputs.builtin.model.save_pretrained(str(tmp))
+            inputs.builtin.tokenizer.save_pretrained(str(tmp))
+            placed_mode = "saved"
+        section["base_model"]["weights"] = placed_mode
+        if inputs.weights == "saved":
+            config = json.loads((tmp / "config.json").read_text())
+        elif base.path is not None:
+            config = json.loads((base.path / "config.json").read_text())  # the base's own file, unchanged
+        elif inputs.base_config is not None:
+            config = json.loads(inputs.base_config.to_json_string(use_diff=True))
+        else:
+            config = {"model_type": stats.model.get("model_type")}
+        if CONFIG_KEY in config:
+            notes.append("the base config already had a sketch_config section; replaced it")
+        config[CONFIG_KEY] = section
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        write_sketch(
+            tmp / SKETCH_FILE,
+            fit.layers,
+            family=stats.family,
+            window=stats.window,
+            fingerprint=stats.fingerprint,
+        )
+        (tmp / "calibration").mkdir()
+        (tmp / MANIFEST_COPY).write_text(json.dumps(stats.manifest, indent=2) + "\n")
+        (tmp / ALLOCATION_FILE).write_text(json.dumps(finite_json(alloc.to_dict()), indent=2) + "\n")
+        _write_curves(tmp / CURVES_FILE, fit.fits)
+        (tmp / "README.md").write_text(
+            model_card(
+                base_id=base.id,
+                family=stats.family,
+                window=stats.window,
+                allocation=alloc,
+                weights=placed_mode,
+                basis=s.basis,
+                shrinkage=fit.shrinkage,
+                stats_manifest=stats.manifest,
+                notes=notes,
+            )
+        )
+    return ConvertResult(
+        out=s.out,
+        allocation=alloc,
+        weights=placed_mode,
+        base_model=base.id,
+        sketch_config=section,
+        shrinkage=fit.shrinkage,
+        shrinkage_scores=fit.shrinkage_scores,
+        notes=notes,
+    )
 
 
 def _write_curves(path: Path, fits: list[LayerFit]) -> None:

@@ -1,5 +1,5 @@
 """Calibration: stream window-aligned state and query statistics from a model."""
 
-from sketchcal.calibrate.run import Settings, calibrate
+from sketchcal.calibrate.run import calibrate, run_calibration
 
-__all__ = ["Settings", "calibrate"]
+__all__ = ["calibrate", "run_calibration"]

@@ -7,8 +7,7 @@ import math
 import resource
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -29,54 +28,7 @@ from sketchcal.formats.stats import (
 from sketchcal.kernels.common import family
 from sketchcal.models import MixerCall, MixerTap, ModelSpec
 from sketchcal.models.loading import LoadedModel, load_model, resolve_device
-
-
-@dataclass
-class Settings:
-    """Everything that defines a calibration run (a resumed run must match it exactly)."""
-
-    model: str | None = None
-    data: str | None = None
-    samples: int = 64
-    seq_len: int = 256
-    gen_tokens: int = 0
-    prompt_len: int | None = None
-    window: int = 16
-    heldout_samples: int | None = None
-    heldout_windows: int = 64
-    batch_size: int = 8
-    seed: int = 0
-    chat_template: bool = False
-    do_sample: bool = False
-    temperature: float = 1.0
-    revision: str | None = None
-    text_field: str = "text"
-    data_revision: str | None = None
-    dtype: str = "auto"
-
-    def resolved(self) -> Settings:
-        s = Settings(**asdict(self))
-        if s.prompt_len is None:
-            s.prompt_len = s.seq_len if s.gen_tokens > 0 else s.seq_len // 2
-        if s.heldout_samples is None:
-            s.heldout_samples = max(1, s.samples // 8)
-        return s
-
-    def validate(self) -> None:
-        if self.window < 2:
-            raise SketchcalError(f"--window must be at least 2 (got {self.window})")
-        for name in ("samples", "seq_len", "batch_size"):
-            if getattr(self, name) < 1:
-                raise SketchcalError(
-                    f"--{name.replace('_', '-')} must be positive (got {getattr(self, name)})"
-                )
-        if self.gen_tokens < 0 or self.heldout_windows < 0 or (self.heldout_samples or 0) < 0:
-            raise SketchcalError("--gen-tokens, --heldout-samples and --heldout-windows must not be negative")
-        if self.gen_tokens == 0 and self.prompt_len is not None and not 0 <= self.prompt_len < self.seq_len:
-            raise SketchcalError(
-                f"--prompt-len {self.prompt_len} leaves no decoded tokens in samples of {self.seq_len}; "
-                "make it smaller than --seq-len or generate tokens with --gen-tokens"
-            )
+from sketchcal.settings import CalibrateSettings, api_signature
 
 
 @dataclass
@@ -144,7 +96,7 @@ def tapped_forward(
 
 
 class _Runner:
-    def __init__(self, loaded: LoadedModel, settings: Settings, world: World):
+    def __init__(self, loaded: LoadedModel, settings: CalibrateSettings, world: World):
         self.loaded, self.s, self.world = loaded, settings, world
         self.family = family(loaded.spec.family)
         self.stats = {
@@ -245,87 +197,61 @@ def _check_finite(totals: dict[str, torch.Tensor]) -> None:
             )
 
 
-def calibrate(
-    model: str | None = None,
-    *,
-    out: str | Path = "stats",
-    data: str | None = None,
-    samples: int = 64,
-    seq_len: int = 256,
-    gen_tokens: int = 0,
-    prompt_len: int | None = None,
-    window: int = 16,
-    heldout_samples: int | None = None,
-    heldout_windows: int = 64,
-    batch_size: int = 8,
-    seed: int = 0,
-    chat_template: bool = False,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    device: str = "auto",
-    dtype: str = "auto",
-    device_map: str | None = None,
-    revision: str | None = None,
-    trust_remote_code: bool = False,
-    text_field: str = "text",
-    data_revision: str | None = None,
-    resume: bool = False,
-    overwrite: bool = False,
-    save_every: int = 4,
-    progress: bool = True,
-) -> dict[str, Any]:
+def calibrate(model: str | None = None, **options: Any) -> dict[str, Any]:
     """Capture window statistics of ``model`` and write a statistics directory to ``out``.
 
-    ``model``: Hub id, local directory or ``builtin:NAME`` (None: the package's default).
-    ``data``: None for the built-in corpus, a local .txt/.jsonl/.parquet file or directory, or a
-    Hugging Face dataset id. Samples are ``seq_len`` tokens. With ``gen_tokens`` > 0 each sample is
-    a prompt followed by that many generated tokens, and only those are decoded; otherwise the
-    first ``prompt_len`` tokens (default: half) are the prompt and the rest is teacher-forced.
-    Windows of ``window`` tokens start at the end of the prompt. ``save_every`` rounds of batches
-    the progress is saved, so an interrupted run continues with ``resume=True``.
+    ``model``: Hub id, local directory or ``builtin:NAME`` (None: the package's default). The options
+    are the fields of :class:`~sketchcal.settings.CalibrateSettings` (``out="stats"``, ``samples=64``,
+    ``seq_len=256``, ...), the same as ``sketchcal calibrate``'s.
 
-    Returns the manifest written to ``out/manifest.json``.
+    Returns the manifest written to ``out/manifest.json`` (an empty dict on ranks other than 0 of a
+    data-parallel run).
     """
-    args = locals()
-    settings = Settings(**{f.name: args[f.name] for f in fields(Settings)})
-    settings.validate()
-    settings = settings.resolved()
-    if save_every < 1:
-        raise SketchcalError("--save-every must be positive")
-    out = Path(out)
-    dev = resolve_device(device)
+    return run_calibration(CalibrateSettings(model=model, **options))
+
+
+calibrate.__signature__ = api_signature(CalibrateSettings, "model")  # type: ignore[attr-defined]
+
+
+def run_calibration(settings: CalibrateSettings) -> dict[str, Any]:
+    """:func:`calibrate` for a settings object."""
+    s = settings
+    out = s.out
+    dev = resolve_device(s.device)
     world = init_world(dev)
     if world.size > 1 and dev.startswith("cuda"):
         dev = f"cuda:{world.local_rank}"
     if world.is_main:
-        prepare_out_dir(out, resume=resume, overwrite=overwrite, clear=False)
+        prepare_out_dir(out, resume=s.resume, overwrite=s.overwrite, clear=False)
+
+    from rich.console import Console
 
     from sketchcal.data import build_samples
     from sketchcal.ui import console, progress_bar, summary_table
 
     loaded = load_model(
-        model,
-        revision=revision,
+        s.model,
+        revision=s.revision,
         device=dev,
-        dtype=dtype,
-        device_map=device_map,
-        trust_remote_code=trust_remote_code,
+        dtype=s.dtype,
+        device_map=s.device_map,
+        trust_remote_code=s.trust_remote_code,
     )
     sample_set = build_samples(
-        loaded.tokenizer, data, num_samples=settings.samples, seq_len=settings.seq_len,
-        heldout_samples=settings.heldout_samples, seed=seed, chat_template=chat_template,
-        text_field=text_field, revision=data_revision,
+        loaded.tokenizer, s.data, num_samples=s.samples, seq_len=s.seq_len,
+        heldout_samples=s.heldout_samples, seed=s.seed, chat_template=s.chat_template,
+        text_field=s.text_field, revision=s.data_revision,
     )  # fmt: skip
     if world.is_main:
-        prepare_out_dir(out, resume=resume, overwrite=overwrite, clear=True)
+        prepare_out_dir(out, resume=s.resume, overwrite=s.overwrite, clear=True)
     world.barrier()
     run_id = {
-        "settings": asdict(settings),
+        "settings": s.run_identity(),
         "fingerprint": loaded.spec.fingerprint,
         "data": sample_set.info,
     }
 
-    bs = settings.batch_size
+    bs = s.batch_size
     batches = [
         _Batch(split, 0, ids[i : i + bs])
         for split, ids in (("heldout", sample_set.heldout), ("calib", sample_set.calib))
@@ -338,7 +264,7 @@ def calibrate(
     runner = _Runner(loaded, settings, world)
     totals: dict[str, torch.Tensor] = {}
     start = 0
-    if resume:
+    if s.resume:
         state, totals = load_progress(out) if world.is_main else ({}, {})
         state = world.broadcast_object(state)
         if state.get("run") != run_id:
@@ -353,13 +279,13 @@ def calibrate(
 
     t_start = time.perf_counter()
     try:
-        with progress_bar(enabled=progress and world.is_main) as bar:
+        with progress_bar(enabled=s.progress and world.is_main) as bar:
             task = bar.add_task(f"calibrating {loaded.model_id}", total=rounds, completed=start)
             for r in range(start, rounds):
                 gb = r * world.size + world.rank
                 if gb < len(batches):
                     runner.process(batches[gb])
-                if (r + 1) % save_every == 0 or r + 1 == rounds:
+                if (r + 1) % s.save_every == 0 or r + 1 == rounds:
                     runner.reduce_into(totals)
                     if world.is_main:
                         _check_finite(totals)
@@ -391,7 +317,7 @@ def calibrate(
         if loaded.device.type == "cuda"
         else None,
         "world_size": world.size,
-        "resumed": bool(resume),
+        "resumed": bool(s.resume),
     }
     manifest = {
         "format": FORMAT,
@@ -407,13 +333,13 @@ def calibrate(
             "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
         },
         "data": sample_set.info,
-        "seed": seed,
-        "window": settings.window,
-        "seq_len": settings.seq_len,
-        "gen_tokens": settings.gen_tokens,
-        "prompt_len": settings.prompt_len,
-        "do_sample": settings.do_sample,
-        "chat_template": settings.chat_template,
+        "seed": s.seed,
+        "window": s.window,
+        "seq_len": s.seq_len,
+        "gen_tokens": s.gen_tokens,
+        "prompt_len": s.prompt_len,
+        "do_sample": s.do_sample,
+        "chat_template": s.chat_template,
         "tokens": c.tokens,
         "samples": {"calib": len(sample_set.calib), "heldout": len(sample_set.heldout)},
         "timing": timing,
@@ -421,7 +347,8 @@ def calibrate(
     }
     manifest = write_final(out, totals, manifest)
     spectra_plot(out / "calibration.png", manifest, totals)
-    console.print(summary_table(manifest, totals))
-    console.print(f"statistics in {out}/ · spectra plot {out / 'calibration.png'}")
+    results = Console()  # the summary is a result: stdout; progress and notes go to stderr
+    results.print(summary_table(manifest, totals))
+    results.print(f"statistics in {out}/ · spectra plot {out / 'calibration.png'}")
     world.barrier()
     return manifest

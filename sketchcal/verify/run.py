@@ -10,14 +10,14 @@ numbers):
   precisions against the same precision ``shared`` by the single checkpoint;
 - rank sweep: the sketch re-fitted at each ``rank`` budget from the calibration statistics.
 
-Basis ablations and the rank sweep re-run ``convert`` (reference-only, into a temporary folder)
+Basis ablations and the rank sweep re-fit the sketch in memory with ``convert``'s own steps
+(:func:`~sketchcal.artifact.convert.fit_sketch`, :func:`~sketchcal.artifact.convert.sketch_section`)
 on the statistics the artifact was made from: ``stats=`` or the artifact's calibration provenance.
 """
 
 from __future__ import annotations
 
 import shlex
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,13 +25,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from sketchcal.artifact.convert import fit_sketch, sketch_section, traffic_models
 from sketchcal.artifact.sketch import SketchArtifact, read_sketch
+from sketchcal.artifact.stats import Stats, load_stats
 from sketchcal.errors import SketchcalError
-from sketchcal.fit.traffic import TrafficModel, dtype_bytes
 from sketchcal.fsutil import finite_json
 from sketchcal.models import ModelSpec
 from sketchcal.runtime import enabled
 from sketchcal.runtime.precision import dtype_name, parse_dtype
+from sketchcal.settings import VerifySettings, api_signature
 from sketchcal.verify.metrics import ReadErrorMeter, TokenMetrics
 from sketchcal.verify.retrieval import RecallSet, build_recall, recall_hits
 
@@ -153,27 +155,55 @@ def _stats_dir(art: SketchArtifact, stats: str | Path | None) -> Path | None:
     return None
 
 
-def _refit(stats: Path, art: SketchArtifact, rank: float, basis: str, work: Path) -> SketchArtifact:
-    """The sketch re-fitted from ``stats`` at mean rank ``rank`` with ``basis`` (other choices as ``art``)."""
-    from sketchcal.artifact import convert
+class Refits:
+    """The artifact's sketch re-fitted from its statistics at other budgets or bases, in memory.
 
-    shrink = art.config.get("shrinkage", {})
-    method = shrink.get("method", "auto") if isinstance(shrink, dict) else "auto"
-    traffic = art.config.get("traffic", {})
-    out = work / f"{basis}-rank{rank:g}"
-    if not out.exists():
-        convert(
-            stats,
-            rank=rank,
-            out=out,
-            reference_only=True,
-            basis=basis,
-            coef=art.config.get("coef", "state"),
-            shrinkage=method,
-            read_dtype=traffic.get("read_dtype", "float32"),
-            buffer_dtype=traffic.get("buffer_dtype", "bfloat16"),
+    Every choice but the budget and the basis (coefficient maps, E shrinkage, byte-model dtypes) is
+    the artifact's own; each (basis, rank) is fitted once.
+    """
+
+    def __init__(self, stats: Stats, art: SketchArtifact):
+        self.stats, self.art = stats, art
+        shrink = art.config.get("shrinkage", {})
+        self.shrinkage = shrink.get("method", "auto") if isinstance(shrink, dict) else "auto"
+        traffic_cfg = art.config.get("traffic", {})
+        self.read_dtype = traffic_cfg.get("read_dtype", "float32")
+        self.buffer_dtype = traffic_cfg.get("buffer_dtype", "bfloat16")
+        self.traffic = traffic_models(
+            stats.family, stats.layers, stats.window, self.read_dtype, self.buffer_dtype
         )
-    return read_sketch(out)
+        self._done: dict[tuple[str, float], SketchArtifact] = {}
+
+    def __call__(self, rank: float, basis: str) -> SketchArtifact:
+        """The sketch fitted at mean rank ``rank`` with ``basis``."""
+        if (basis, rank) not in self._done:
+            coef = self.art.config.get("coef", "state")
+            fit = fit_sketch(
+                self.stats,
+                self.traffic,
+                rank=rank,
+                basis=basis,
+                coef=coef,
+                shrinkage=self.shrinkage,
+                progress=False,
+            )
+            base = self.art.config.get("base_model") or {}
+            section = sketch_section(
+                self.stats,
+                fit,
+                basis=basis,
+                coef=coef,
+                read_dtype=self.read_dtype,
+                buffer_dtype=self.buffer_dtype,
+                base_id=base.get("id"),
+                base_revision=base.get("revision"),
+                weights="reference",
+            )
+            # no file behind it: the metadata holds what the runtime checks, the fingerprint
+            self._done[(basis, rank)] = SketchArtifact(
+                config=section, metadata={"fingerprint": self.stats.fingerprint}, layers=fit.layers
+            )
+        return self._done[(basis, rank)]
 
 
 def _budget(art: SketchArtifact) -> float | None:
@@ -193,17 +223,8 @@ def traffic(
 ) -> dict[str, float]:
     """Per-token state traffic of all mixer layers (:mod:`sketchcal.fit.traffic`); ranks None = replay."""
     total = replay = standard = 0.0
-    for shape in spec.layers:
-        tm = TrafficModel(
-            family=spec.family,
-            key_dim=shape.key_dim,
-            value_dim=shape.value_dim,
-            window=window,
-            heads_per_group=shape.heads_per_group,
-            state_bytes=4,
-            read_bytes=dtype_bytes(read_dtype),
-            buffer_bytes=dtype_bytes(buffer_dtype),
-        )
+    models = traffic_models(spec.family, spec.layers, window, read_dtype, buffer_dtype)
+    for shape, tm in zip(spec.layers, models, strict=True):
         heads = ranks[shape.layer] if ranks is not None else [0] * shape.heads
         total += sum(tm.step_bytes(m) for m in heads)
         replay += shape.heads * tm.step_bytes(0)
@@ -250,12 +271,12 @@ def teacher_forced(
 def _configs(
     art: SketchArtifact,
     read_dtype: str,
-    stats: Path | None,
-    ranks: list[float],
+    refits: Refits | None,
+    ranks: tuple[float, ...],
     ablations: bool,
-    work: Path,
     notes: list[str],
 ) -> list[RunConfig]:
+    """The configurations to run; ``refits`` None: no statistics (no basis ablations, no sweep)."""
     basis = art.config.get("basis", "state")
     budget = _budget(art)
     cfgs = [
@@ -264,7 +285,7 @@ def _configs(
         RunConfig("sketch", "sketch", "main", art, read_dtype, basis=basis, budget=budget),
     ]
     if ablations:
-        if stats is not None and budget is not None:
+        if refits is not None and budget is not None:
             for alt in ("pca", "random"):
                 if alt != basis:
                     cfgs.append(
@@ -272,13 +293,13 @@ def _configs(
                             f"sketch · {alt} basis",
                             "sketch",
                             "ablation",
-                            _refit(stats, art, budget, alt, work),
+                            refits(budget, alt),
                             read_dtype,
                             basis=alt,
                             budget=budget,
                         )
                     )
-        elif stats is None:
+        elif refits is None:
             notes.append(
                 "basis ablations skipped: the calibration statistics were not found "
                 "(pass stats=DIR / --stats DIR)"
@@ -289,12 +310,7 @@ def _configs(
                 RunConfig(f"sketch · {low} two precisions", "sketch", "ablation", art, low, False, basis)
             )
         cfgs.append(RunConfig(f"sketch · {low} shared", "sketch", "ablation", art, low, True, basis))
-    for r in ranks:
-        if stats is None:
-            raise SketchcalError(
-                "--rank re-fits the sketch from its calibration statistics, which were not found; "
-                "pass the statistics directory (stats=DIR / --stats DIR)"
-            )
+    for r in ranks if refits is not None else ():  # verify refuses a sweep without statistics
         # the artifact's own budget is the main "sketch" row (and its PCA ablation row): not re-run
         alts = [basis] + (["pca"] if ablations and basis != "pca" else [])
         for alt in alts if r != budget else []:
@@ -303,7 +319,7 @@ def _configs(
                     f"sketch · rank {r:g}" + ("" if alt == basis else f" · {alt} basis"),
                     "sketch",
                     "rank sweep",
-                    _refit(stats, art, r, alt, work),
+                    refits(r, alt),
                     read_dtype,
                     basis=alt,
                     budget=r,
@@ -312,123 +328,99 @@ def _configs(
     return cfgs
 
 
-def verify(
-    model_dir: str | Path,
-    baseline: str | None = None,
-    data: str | None = None,
-    tokens: int = 128,
-    rank: list[float] | float | None = None,
-    *,
-    out: str | Path | None = None,
-    prompt: int = 32,
-    samples: int = 16,
-    batch_size: int = 8,
-    read_dtype: str | None = None,
-    stats: str | Path | None = None,
-    ablations: bool = True,
-    retrieval: bool = True,
-    plots: bool = True,
-    device: str = "auto",
-    seed: int = 0,
-    text_field: str = "text",
-    data_revision: str | None = None,
-    command: str | None = None,
-    progress: bool = True,
-) -> VerifyResult:
+def verify(model_dir: str | Path, **options: Any) -> VerifyResult:
     """Measure a converted model's sketch against the full-state model and write a report.
 
-    Args:
-        model_dir: the directory ``sketchcal convert`` wrote.
-        baseline: the full-state model (Hub id, directory, ``builtin:NAME``) whose weights run every
-            mode; default: the weights in ``model_dir``, else its base model.
-        data: held-out text source (as ``calibrate --data``; None: the built-in corpus). Only the
-            held-out split is read.
-        tokens: decoded (teacher-forced) tokens per sample after the ``prompt`` prefill tokens.
-        rank: mean-rank budgets to sweep by re-fitting from the calibration statistics.
-        out: report folder (default ``model_dir/verify``): ``verify.json``, ``report.md``, PNG plots.
-        samples, batch_size: held-out samples and how many run together.
-        read_dtype: read copy / sketch precision (fp32, bf16, fp16, fp8; default: the artifact's).
-        stats: the statistics directory (default: the artifact's calibration provenance).
-        ablations / retrieval / plots: switch those parts off.
-        command: the command line to print in the report (default: the equivalent CLI call).
+    ``model_dir``: the directory ``sketchcal convert`` wrote, or a Hub id. The options are the fields
+    of :class:`~sketchcal.settings.VerifySettings` (``tokens``, ``rank`` budgets to sweep, ``prompt``,
+    ``samples``, ``stats``, ``out``, ...), the same as ``sketchcal verify``'s. The report folder
+    (default ``model_dir/verify``; ``verify-NAME`` for a Hub id, never inside the Hugging Face cache)
+    gets ``verify.json``, ``report.md`` and the PNG plots.
 
     Raises:
         SketchcalError: bad arguments, an unusable directory or data source, a model that does not
             match the sketch, or a rank sweep without statistics.
     """
+    return run_verify(VerifySettings(model_dir=model_dir, **options))
+
+
+verify.__signature__ = api_signature(VerifySettings, "model_dir")  # type: ignore[attr-defined]
+
+
+def run_verify(settings: VerifySettings) -> VerifyResult:
+    """:func:`verify` for a settings object."""
+    from rich.console import Console
+
     from sketchcal.data import build_samples
-    from sketchcal.ui import console, progress_bar
+    from sketchcal.hub.resolve import is_hub_id, resolve
+    from sketchcal.ui import progress_bar
     from sketchcal.verify.report import print_table, write_report
 
-    model_dir = Path(model_dir)
-    ranks = [] if rank is None else [float(r) for r in ([rank] if isinstance(rank, int | float) else rank)]
-    for name, value, low in (("tokens", tokens, 1), ("samples", samples, 1), ("batch_size", batch_size, 1)):
-        if int(value) < low:
-            raise SketchcalError(f"--{name.replace('_', '-')} must be at least {low}, got {value}")
-    if prompt < 0:
-        raise SketchcalError(f"--prompt must not be negative, got {prompt}")
-    if any(r <= 0 for r in ranks):
-        raise SketchcalError("--rank budgets must be positive")
-    stats_dir = _stats_dir(read_sketch(model_dir), stats)
-    if ranks and stats_dir is None:
+    s = settings
+    out_dir = s.out
+    if out_dir is None and is_hub_id(s.model_dir):
+        out_dir = Path("verify-" + s.model_dir.split("/")[-1])
+    model_dir = resolve(s.model_dir, revision=s.revision)
+    out_dir = out_dir if out_dir is not None else model_dir / "verify"
+    prompt, tokens, batch_size = s.prompt, s.tokens, s.batch_size
+    stats_dir = _stats_dir(read_sketch(model_dir), s.stats)
+    if s.rank and stats_dir is None:
         raise SketchcalError(
             "--rank re-fits the sketch from its calibration statistics, which were not found; "
             "pass the statistics directory (stats=DIR / --stats DIR)"
         )
-    if stats is not None and not Path(stats).is_dir():
-        raise SketchcalError(f"statistics directory {stats} does not exist")
-    loaded, art = _load(model_dir, baseline, device)
+    loaded, art = _load(model_dir, s.baseline, s.device)
     spec, model, dev = loaded.spec, loaded.model, loaded.device
     window = int(art.config.get("window", art.metadata.get("window", 16)))
     traffic_cfg = art.config.get("traffic", {})
-    read_dtype = dtype_name(parse_dtype(read_dtype or traffic_cfg.get("read_dtype", "float32")))
+    read_dtype = dtype_name(parse_dtype(s.read_dtype or traffic_cfg.get("read_dtype", "float32")))
     buffer_dtype = traffic_cfg.get("buffer_dtype", "bfloat16")
     notes: list[str] = []
     sample_set = build_samples(
         loaded.tokenizer,
-        data,
+        s.data,
         num_samples=1,
         seq_len=prompt + tokens + 1,
-        heldout_samples=samples,
-        seed=seed,
-        text_field=text_field,
-        revision=data_revision,
+        heldout_samples=s.samples,
+        seed=s.seed,
+        text_field=s.text_field,
+        revision=s.data_revision,
     )
     held = torch.tensor(sample_set.heldout)
     recall: RecallSet | None = None
-    if retrieval:
+    if s.retrieval:
         recall = build_recall(
-            loaded.tokenizer, [row[:prompt] for row in sample_set.heldout], tokens, seed=seed
+            loaded.tokenizer, [row[:prompt] for row in sample_set.heldout], tokens, seed=s.seed
         )
 
-    with tempfile.TemporaryDirectory(prefix="sketchcal-verify-") as tmp:
-        cfgs = _configs(art, read_dtype, stats_dir, ranks, ablations, Path(tmp), notes)
-        metrics = {c.name: TokenMetrics(window) for c in cfgs}
-        meters = {c.name: ReadErrorMeter(window) for c in cfgs}
-        hits: dict[str, list[torch.Tensor]] = {c.name: [] for c in cfgs}
-        positions = torch.arange(tokens) % window + 1
-        batches = [held[i : i + batch_size] for i in range(0, len(held), batch_size)]
-        recall_batches = [] if recall is None else list(range(0, recall.ids.shape[0], batch_size))
-        total = (len(batches) + len(recall_batches)) * len(cfgs)
-        with progress_bar(enabled=progress) as bar:
-            task = bar.add_task(f"verifying {model_dir.name}", total=total)
-            for batch in batches:
-                ids = batch[:, : prompt + tokens].to(dev)
-                targets = batch[:, prompt + 1 : prompt + tokens + 1].to(dev)
-                ref = None
-                for c in cfgs:
-                    probe = None if c.mode == "standard" else meters[c.name]
-                    logits = teacher_forced(model, c, ids, prompt=prompt, window=window, probe=probe)
-                    ref = logits if ref is None else ref
-                    metrics[c.name].add(ref, logits, targets, positions)
-                    bar.update(task, advance=1)
-            for start in recall_batches:
-                ids = recall.ids[start : start + batch_size].to(dev)
-                for c in cfgs:
-                    logits = teacher_forced(model, c, ids, prompt=prompt, window=window)
-                    q = slice(start, start + batch_size)
-                    hits[c.name].append(recall_hits(logits, recall.query_pos[q], recall.answers[q], prompt))
-                    bar.update(task, advance=1)
+    refits = Refits(load_stats(stats_dir), art) if stats_dir is not None else None
+    cfgs = _configs(art, read_dtype, refits, s.rank, s.ablations, notes)
+    metrics = {c.name: TokenMetrics(window) for c in cfgs}
+    meters = {c.name: ReadErrorMeter(window) for c in cfgs}
+    hits: dict[str, list[torch.Tensor]] = {c.name: [] for c in cfgs}
+    positions = torch.arange(tokens) % window + 1
+    batches = [held[i : i + batch_size] for i in range(0, len(held), batch_size)]
+    recall_batches = [] if recall is None else list(range(0, recall.ids.shape[0], batch_size))
+    total = (len(batches) + len(recall_batches)) * len(cfgs)
+    with progress_bar(enabled=s.progress) as bar:
+        task = bar.add_task(f"verifying {model_dir.name}", total=total)
+        for batch in batches:
+            ids = batch[:, : prompt + tokens].to(dev)
+            targets = batch[:, prompt + 1 : prompt + tokens + 1].to(dev)
+            ref = None
+            for c in cfgs:
+                probe = None if c.mode == "standard" else meters[c.name]
+                logits = teacher_forced(model, c, ids, prompt=prompt, window=window, probe=probe)
+                ref = logits if ref is None else ref
+                metrics[c.name].add(ref, logits, targets, positions)
+                bar.update(task, advance=1)
+        for start in recall_batches:
+            ids = recall.ids[start : start + batch_size].to(dev)
+            for c in cfgs:
+                logits = teacher_forced(model, c, ids, prompt=prompt, window=window)
+                q = slice(start, start + batch_size)
+                hits[c.name].append(recall_hits(logits, recall.query_pos[q], recall.answers[q], prompt))
+                bar.update(task, advance=1)
 
     results = []
     for c in cfgs:
@@ -478,24 +470,24 @@ def verify(
         if recall is None
         else {"task": "associative recall", "pairs": recall.n_pairs, "queries": recall.num_queries},
         configs=results,
-        command=command or _command(model_dir, baseline, data, tokens, ranks, prompt, samples, stats),
+        command=s.command or _command(s),
         notes=notes,
     )
-    out_dir = Path(out) if out is not None else model_dir / "verify"
-    result.files = write_report(result, out_dir, plots=plots)
-    print_table(result, console)
+    result.files = write_report(result, out_dir, plots=s.plots)
+    print_table(result, Console())  # the table is a result: stdout; progress goes to stderr
     return result
 
 
-def _command(model_dir, baseline, data, tokens, ranks, prompt, samples, stats) -> str:
-    parts = ["sketchcal", "verify", str(model_dir)]
-    if baseline:
-        parts += ["--baseline", str(baseline)]
-    if data:
-        parts += ["--data", str(data)]
-    parts += ["--tokens", str(tokens), "--prompt", str(prompt), "--samples", str(samples)]
-    for r in ranks:
+def _command(s: VerifySettings) -> str:
+    """The CLI call equivalent to ``s`` (the options that change the numbers)."""
+    parts = ["sketchcal", "verify", s.model_dir]
+    if s.baseline:
+        parts += ["--baseline", s.baseline]
+    if s.data:
+        parts += ["--data", s.data]
+    parts += ["--tokens", str(s.tokens), "--prompt", str(s.prompt), "--samples", str(s.samples)]
+    for r in s.rank:
         parts += ["--rank", f"{r:g}"]
-    if stats:
-        parts += ["--stats", str(stats)]
+    if s.stats:
+        parts += ["--stats", str(s.stats)]
     return shlex.join(parts)
