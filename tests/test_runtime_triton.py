@@ -27,7 +27,7 @@ from sketchcal.artifact.synthetic import write_synthetic_stats
 from sketchcal.errors import SketchcalError
 from sketchcal.kernels.common import StepInputs
 from sketchcal.models import describe, use_torch_path
-from sketchcal.runtime import SketchTables, enable, enabled, make_state
+from sketchcal.runtime import Precision, SketchTables, enable, enabled, make_state
 from sketchcal.runtime.kernel_state import kernel_tables, make_kernel_state
 from sketchcal.verify.metrics import kl_per_token
 
@@ -300,6 +300,35 @@ def test_drafts_and_accepts_match_the_reference_state(fam, mode):
         assert rel_max(spec.ckpt.state, ref.ckpt.state) <= 1e-5
     with pytest.raises(SketchcalError, match="accept"):
         spec.accept(1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["standard", "replay", "sketch"])
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_decode_steps_never_wait_for_the_host_gpu(fam, mode):
+    """At the demo models' head dims, with the CUDA defaults (bf16 buffers, bf16 read copy and
+    sketch), a step of one token launches kernels only: CUDA's sync check raises on any host wait."""
+    h, g, k, v = {"gdn": (4, 2, 128, 128), "mamba2": (8, 2, 128, 64), "kda": (2, 2, 128, 128)}[fam]
+    x = grouped_inputs(fam, 3 * L, 5, h=h, g=g, k=k, v=v)
+    s0 = 0.3 * torch.randn(2, h, k, v, device=DEVICE)
+    tables = None
+    if mode == "sketch":
+        ranks = [[0, 8, 16, 32][i % 4] for i in range(h)]
+        tables = kernel_tables(sketch_layer(h, g, k, ranks), fam, heads=h, key_dim=k, device=DEVICE)
+    st = make_kernel_state(
+        mode, fam, s0, groups=g, window=L, precision=Precision(read_dtype=torch.bfloat16),
+        tables=tables, buffer_dtype=torch.bfloat16,
+    )  # fmt: skip
+    for t in range(L):  # a window first: the kernels compile
+        st.step(x.tokens(slice(t, t + 1)))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = [st.step(x.tokens(slice(t, t + 1))) for t in range(L, 3 * L)]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(torch.cat(outs, dim=1)).all()
+    assert mode == "standard" or st.flushes == 3
 
 
 # ---- errors --------------------------------------------------------------------------------------

@@ -1,9 +1,13 @@
-"""Reference decode runtime (pure torch, any device): ``standard``, ``replay`` and ``sketch`` modes.
+"""Decode runtime: ``standard``, ``replay`` and ``sketch`` modes inside transformers models.
+
+Two backends: ``reference`` (pure torch, any device) and ``triton`` (the decode kernels over a slot
+pool per layer, CUDA; ``auto`` picks it when it can run).
 
 Public API::
 
     enable(model, artifact=None, mode="sketch", *, window=None, read_dtype=None, shared=False,
-           prefill=None, compute_dtype="fp32", probe=None) -> Runtime
+           prefill=None, compute_dtype="fp32", probe=None, backend="auto", buffer_dtype=None)
+           -> Runtime
     enabled(model, artifact=None, mode="sketch", **kw)      # context manager
     disable(model); runtime_of(model) -> Runtime | None
     make_state(mode, family, state, *, window=16, precision=Precision(), tables=None) -> DecodeState
@@ -11,11 +15,12 @@ Public API::
     SketchTables.from_layer(sketch_layer, heads=H, key_dim=K); Precision; parse_dtype
 
 Modules: ``precision`` (dtypes of checkpoint, read copy, math), ``sketch`` (one layer's sketch
-tables), ``state`` (decode-state objects), ``families`` (the transformers kernel-function contracts),
+tables), ``state`` (decode-state objects), ``kernel_state`` (the same on the Triton kernels; imported
+only when the triton backend runs), ``families`` (the transformers kernel-function contracts),
 ``patch`` (plugging the modes into a transformers model).
 """
 
-from sketchcal.runtime.patch import Runtime, disable, enable, enabled, runtime_of
+from sketchcal.runtime.patch import BACKENDS, Runtime, disable, enable, enabled, runtime_of
 from sketchcal.runtime.precision import READ_DTYPES, Precision, parse_dtype
 from sketchcal.runtime.sketch import SketchTables
 from sketchcal.runtime.state import (
@@ -30,6 +35,7 @@ from sketchcal.runtime.state import (
 )
 
 __all__ = [
+    "BACKENDS",
     "DEFAULT_WINDOW",
     "MODES",
     "READ_DTYPES",

@@ -10,10 +10,12 @@ Window rule. A call that starts a sequence (the prefill function with no initial
 first ``prefill`` tokens (all of them when ``prefill`` is None, as in ``generate()``) through the
 model's own prefill; the state after them is the first checkpoint, and windows of L tokens start
 there. Every later token (the rest of that call, each ``generate()`` step, the tokens of any call
-that continues a cached state) is a decode step in the chosen mode. In ``standard`` mode decode
-steps run the model's own one-token function; with ``prefill`` None it changes nothing at all.
+that continues a cached state) is a decode step in the chosen mode. In ``standard`` mode on the
+reference backend decode steps run the model's own one-token function; with ``prefill`` None it
+changes nothing at all.
 
-Per sequence and layer the decode state (:mod:`sketchcal.runtime.state`) lives beside the cache the
+Per sequence and layer the decode state (:mod:`sketchcal.runtime.state` or
+:mod:`sketchcal.runtime.kernel_state`) lives beside the cache the
 model passes to the mixer (a new cache starts a new sequence; a call without a cache is a sequence
 of its own). The cache's recurrent state holds the latest checkpoint: it is written at flushes only.
 Beam search (which reorders caches) is not supported in replay and sketch modes.
