@@ -3,7 +3,8 @@
 References: the ``reference`` backend (torch decode states, the same fp32 math in another order) and
 the model's own decode (``generate()`` with no runtime). Without CUDA the kernels run in the Triton
 interpreter (``TRITON_INTERPRET=1``, set before any kernel is defined) on tiny one-mixer models
-(K = V = 16, two heads per group, batch 2, window 4); with CUDA the same tests run on the device,
+(K = V = 16, two heads per group but for KDA, batch 2, window 4); with CUDA the same tests run on
+the device,
 and the ``gpu`` tests run the shipped demo models at batch 64 with an artifact converted at rank 8
 from a quick calibration. Exactness checks buffer fp32 inputs (``buffer_dtype="fp32"``), so that
 replay must agree with the reference to fp32 rounding; the bf16 buffers CUDA defaults to are
@@ -353,6 +354,8 @@ def test_triton_refuses_what_the_kernels_do_not_run():
         enable(model, None, "replay", read_dtype="bf16", shared=True, backend="triton")
     with pytest.raises(SketchcalError, match="fp32"):
         enable(model, None, "replay", compute_dtype="fp64", backend="triton")
+    with pytest.raises(SketchcalError, match="fp16"):
+        enable(model, None, "replay", read_dtype="fp16", backend="triton")
     with pytest.raises(SketchcalError, match="buffer"):
         enable(model, None, "replay", backend="triton", buffer_dtype="fp16")
     with pytest.raises(SketchcalError, match="triton backend only"):

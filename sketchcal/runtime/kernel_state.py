@@ -62,9 +62,11 @@ from sketchcal.runtime.sketch import SketchTables
 from sketchcal.runtime.state import Checkpoint, Probe
 
 BUFFER_DTYPES = (torch.float32, torch.bfloat16)
+READ_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)  # what the kernels are tested with
 
 __all__ = [
     "BUFFER_DTYPES",
+    "READ_DTYPES",
     "KernelStandardState",
     "KernelTables",
     "KernelWindowState",
@@ -88,6 +90,8 @@ def unsupported(mode: str, shapes: list[LayerShape], precision: Precision, probe
         return "the shared low-precision checkpoint is an ablation of the reference backend"
     if precision.compute_dtype != torch.float32 or precision.state_dtype != torch.float32:
         return "the kernels compute in fp32 with an fp32 state"
+    if precision.read_dtype not in READ_DTYPES:
+        return f"the kernels read an fp32, bf16 or fp8 copy, not {dtype_name(precision.read_dtype)}"
     if probe is not None and probe.wants_exact:
         return "read-error probes compare each read with the exact one, which only the reference computes"
     for s in shapes:

@@ -34,7 +34,6 @@ import contextlib
 import contextvars
 import importlib
 import inspect
-import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -242,7 +241,7 @@ class Runtime:
             return make_kernel_state(
                 self.mode,
                 self.spec.family,
-                checkpoint.float().contiguous(),
+                checkpoint.float(),
                 groups=self.shapes[layer].groups,
                 window=self.window,
                 precision=self.precision,
@@ -384,20 +383,19 @@ def _resolve_backend(
     if backend == "reference":
         return backend
     on_cuda = bool(devices) and all(d.type == "cuda" for d in devices)
-    interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    if not on_cuda and (backend == "auto" or not interpret):
-        if backend == "auto":
-            return "reference"
-        raise SketchcalError(
-            "backend='triton' runs the decode kernels on a CUDA GPU: move the model to a GPU or use "
-            "backend='reference'"
-        )
+    if backend == "auto" and not on_cuda:
+        return "reference"
     try:
-        from sketchcal.runtime.kernel_state import unsupported
+        from sketchcal.runtime.kernel_state import interpreting, unsupported
     except ImportError as err:
         if backend == "auto":
             return "reference"
         raise SketchcalError(f"backend='triton' needs Triton ({err}); use backend='reference'") from None
+    if not on_cuda and not interpreting():
+        raise SketchcalError(
+            "backend='triton' runs the decode kernels on a CUDA GPU: move the model to a GPU or use "
+            "backend='reference'"
+        )
     why = unsupported(mode, spec.layers, precision, probe)
     if why is None:
         return "triton"
