@@ -17,7 +17,8 @@ changes nothing at all.
 Per sequence and layer the decode state (:mod:`sketchcal.runtime.state` or
 :mod:`sketchcal.runtime.kernel_state`) lives beside the cache the
 model passes to the mixer (a new cache starts a new sequence; a call without a cache is a sequence
-of its own). The cache's recurrent state holds the latest checkpoint: it is written at flushes only.
+of its own). The cache's recurrent state holds the latest checkpoint: it is written at flushes only
+(at every step in the triton backend's ``standard`` mode).
 Beam search (which reorders caches) is not supported in replay and sketch modes.
 
 Backends. ``reference`` runs the decode states of :mod:`sketchcal.runtime.state` (torch, any
@@ -450,10 +451,12 @@ def enable(
         backend: ``triton`` (the decode kernels over a slot pool per layer; CUDA, or the CPU
             interpreter with ``TRITON_INTERPRET=1``), ``reference`` (torch), or ``auto``: triton
             when every recurrent layer is on CUDA, Triton imports and the kernels take the
-            configuration (fp32 math, no ``shared``, power-of-two K, V ≥ 16), else reference.
+            configuration (fp32 math, no ``shared``, an fp32, bf16 or fp8 read copy, power-of-two
+            K, V ≥ 16, no probe of exact reads), else reference.
         buffer_dtype: triton backend: dtype of the buffered inputs, fp32 or bf16 (default: the
             artifact's ``traffic.buffer_dtype``, else bf16, on CUDA; fp32 in the interpreter).
-            fp32 makes replay exact to fp32 rounding; bf16 halves the buffer traffic.
+            fp32 makes replay exact to fp32 rounding; bf16 halves the buffer traffic. Ignored when
+            ``auto`` picks the reference backend.
 
     Raises:
         SketchcalError: unsupported model, unknown mode, backend or dtype, a sketch that does not
@@ -485,6 +488,8 @@ def enable(
     )
     if mode == "standard" and (shared or precision.read_dtype != torch.float32):
         raise SketchcalError("standard mode keeps the full fp32 state: read_dtype and shared do not apply")
+    if backend == "reference" and buffer_dtype is not None:
+        raise SketchcalError("buffer_dtype applies to the triton backend only")
     devices = {m.layer_idx: next(m.parameters()).device for m in spec.mixers(model)}  # device_map safe
     backend = _resolve_backend(backend, mode, spec, precision, probe, list(devices.values()))
     buffers = torch.float32
@@ -494,8 +499,6 @@ def enable(
         traffic = art.config.get("traffic", {}) if art is not None else {}
         first = next(iter(devices.values()))
         buffers = buffer_dtype_for(buffer_dtype, first, traffic.get("buffer_dtype"))
-    elif buffer_dtype is not None:
-        raise SketchcalError("buffer_dtype applies to the triton backend only")
     tables: dict[int, Any] = {}
     if mode == "sketch":
         for shape in spec.layers:
