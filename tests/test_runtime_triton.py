@@ -378,11 +378,11 @@ def demo(request, tmp_path_factory):
     sketchcal.calibrate(
         name,
         out=root / "stats",
-        samples=16,
-        seq_len=128,
-        batch_size=8,
+        samples=8,
+        seq_len=96,
+        batch_size=4,
         heldout_samples=4,
-        heldout_windows=8,
+        heldout_windows=4,
         device="cuda",
         dtype="float32",
         progress=False,
@@ -409,12 +409,13 @@ def test_demo_model_sketch_on_the_kernels_gpu(demo):
 
 @pytest.mark.gpu
 def test_demo_model_bf16_buffers_gpu(demo):
-    """The CUDA default: bf16 buffered inputs cost far less than the sketch itself."""
+    """The serving defaults on CUDA, bf16 buffered inputs and a bf16 read copy: the buffers' rounding
+    costs far less than the sketch (both against the reference backend's bf16 read copy)."""
     model, art = demo
     window = int(art.config["window"])
     ids = ids_for(model, GPU_BATCH, P + 6 * window, 13)
-    ref = forward(model, ids, art, "replay", "reference", window)[:, P:]
-    got = forward(model, ids, art, "replay", "triton", window)[:, P:]
-    sketch = forward(model, ids, art, "sketch", "reference", window)[:, P:]
-    kl = float(kl_per_token(ref, got).mean())
-    assert kl <= 1e-3 and kl < float(kl_per_token(ref, sketch).mean())
+    ref, _ = forward(model, ids, art, "replay", "reference", window, read_dtype="bf16")
+    got, _ = forward(model, ids, art, "replay", "triton", window, read_dtype="bf16")
+    sketch, _ = forward(model, ids, art, "sketch", "reference", window, read_dtype="bf16")
+    kl = float(kl_per_token(ref[:, P:], got[:, P:]).mean())
+    assert kl <= 1e-3 and 10 * kl < float(kl_per_token(ref[:, P:], sketch[:, P:]).mean())
