@@ -12,7 +12,8 @@ beyond HFLM's own:
   ``mode``. ``context`` (default): each request's context, as in serving, so the continuation tokens
   are decoded (the first continuation token is predicted by the prefill, as when generating);
   an integer N: the first N tokens of every sequence (0: every token is a decode step).
-- ``window``, ``read_dtype``, ``shared``: passed to :func:`sketchcal.runtime.enable`.
+- ``window``, ``read_dtype``, ``shared``, ``backend`` (``auto``, ``triton`` or ``reference``): passed
+  to :func:`sketchcal.runtime.enable`.
 
 ``generate_until`` requests run ``generate()`` with the whole prompt prefilled and every generated
 token a decode step. Registration: importing this module registers ``sketchcal`` in lm-eval's model
@@ -81,6 +82,7 @@ class SketchcalLM(HFLM):
         window: int | None = None,
         read_dtype: str | None = None,
         shared: bool = False,
+        backend: str = "auto",
         revision: str | None = None,
         **kwargs: Any,
     ) -> None:
@@ -105,7 +107,14 @@ class SketchcalLM(HFLM):
         if self.model.device.type == "cpu":
             use_torch_path(spec)  # optional GPU kernels that transformers bound at import fail on the CPU
         self._runtime = enable(
-            self.model, art, mode, window=window, read_dtype=read_dtype, shared=bool(shared), prefill=None
+            self.model,
+            art,
+            mode,
+            window=window,
+            read_dtype=read_dtype,
+            shared=bool(shared),
+            prefill=None,
+            backend=backend,
         )
         self._mode = mode
         self._contexts: dict[tuple[int, bytes], int] = {}
@@ -211,6 +220,7 @@ class SketchcalLM(HFLM):
                 "sketchcal_mode": self._mode,
                 "sketchcal_prefill": self._prefill_policy,
                 "sketchcal_window": self._runtime.window,
+                "sketchcal_backend": self._runtime.backend,
                 "sketchcal_artifact": str(self._artifact_dir),
             }
         )

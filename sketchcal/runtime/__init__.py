@@ -1,9 +1,13 @@
-"""Reference decode runtime (pure torch, any device): ``standard``, ``replay`` and ``sketch`` modes.
+"""Decode runtime: ``standard``, ``replay`` and ``sketch`` modes inside transformers models.
+
+Two backends: ``reference`` (pure torch, any device) and ``triton`` (the decode kernels over a slot
+pool per layer, CUDA; ``auto`` picks it when it can run).
 
 Public API::
 
     enable(model, artifact=None, mode="sketch", *, window=None, read_dtype=None, shared=False,
-           prefill=None, compute_dtype="fp32", probe=None) -> Runtime
+           prefill=None, compute_dtype="fp32", probe=None, backend="auto", buffer_dtype=None)
+           -> Runtime
     enabled(model, artifact=None, mode="sketch", **kw)      # context manager
     disable(model); runtime_of(model) -> Runtime | None
     make_state(mode, family, state, *, tables=None, window=16, precision=Precision()) -> DecodeState
@@ -11,12 +15,12 @@ Public API::
     layer_tables(sketch_layer, family=..., heads=H, key_dim=K) -> SketchTables; Precision; parse_dtype
 
 Modules: ``precision`` (dtypes of checkpoint, read copy, math), ``sketch`` (one layer's sketch
-tables: the kernels' ``SketchTables``, read in the compute dtype), ``state`` (decode-state objects),
-``families`` (the transformers kernel-function contracts), ``patch`` (plugging the modes into a
-transformers model).
+tables: the kernels' ``SketchTables``), ``state`` (decode-state objects), ``kernel_state`` (the
+same on the Triton kernels; imported only when the triton backend runs), ``families`` (the transformers kernel-function contracts),
+``patch`` (plugging the modes into a transformers model).
 """
 
-from sketchcal.runtime.patch import Runtime, disable, enable, enabled, runtime_of
+from sketchcal.runtime.patch import BACKENDS, Runtime, disable, enable, enabled, runtime_of
 from sketchcal.runtime.precision import READ_DTYPES, Precision, parse_dtype
 from sketchcal.runtime.sketch import SketchTables, layer_tables
 from sketchcal.runtime.state import (
@@ -31,6 +35,7 @@ from sketchcal.runtime.state import (
 )
 
 __all__ = [
+    "BACKENDS",
     "DEFAULT_WINDOW",
     "MODES",
     "READ_DTYPES",

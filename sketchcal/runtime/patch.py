@@ -10,13 +10,23 @@ Window rule. A call that starts a sequence (the prefill function with no initial
 first ``prefill`` tokens (all of them when ``prefill`` is None, as in ``generate()``) through the
 model's own prefill; the state after them is the first checkpoint, and windows of L tokens start
 there. Every later token (the rest of that call, each ``generate()`` step, the tokens of any call
-that continues a cached state) is a decode step in the chosen mode. In ``standard`` mode decode
-steps run the model's own one-token function; with ``prefill`` None it changes nothing at all.
+that continues a cached state) is a decode step in the chosen mode. In ``standard`` mode on the
+reference backend decode steps run the model's own one-token function; with ``prefill`` None it
+changes nothing at all.
 
-Per sequence and layer the decode state (:mod:`sketchcal.runtime.state`) lives beside the cache the
+Per sequence and layer the decode state (:mod:`sketchcal.runtime.state` or
+:mod:`sketchcal.runtime.kernel_state`) lives beside the cache the
 model passes to the mixer (a new cache starts a new sequence; a call without a cache is a sequence
-of its own). The cache's recurrent state holds the latest checkpoint: it is written at flushes only.
+of its own). The cache's recurrent state holds the latest checkpoint: it is written at flushes only
+(at every step in the triton backend's ``standard`` mode).
 Beam search (which reorders caches) is not supported in replay and sketch modes.
+
+Backends. ``reference`` runs the decode states of :mod:`sketchcal.runtime.state` (torch, any
+device). ``triton`` runs :mod:`sketchcal.runtime.kernel_state`: each layer's decode steps are the
+Triton kernels over a slot pool holding the batch's states (in ``standard`` mode too, where the
+reference backend calls the model's own one-token function); prefill stays the model's own.
+``auto`` picks ``triton`` when every recurrent layer is on a CUDA device, Triton imports and the
+kernels take the configuration, else ``reference``.
 """
 
 from __future__ import annotations
@@ -41,7 +51,9 @@ from sketchcal.models.capture import pick_implementation, torch_reference
 from sketchcal.runtime.families import GLUES, FunctionGlue
 from sketchcal.runtime.precision import Precision, parse_dtype
 from sketchcal.runtime.sketch import SketchTables, layer_tables
-from sketchcal.runtime.state import DEFAULT_WINDOW, MODES, DecodeState, Probe, WindowState, make_state
+from sketchcal.runtime.state import DEFAULT_WINDOW, MODES, DecodeState, Probe, make_state
+
+BACKENDS = ("auto", "triton", "reference")
 
 
 @dataclass
@@ -120,8 +132,9 @@ def _flatten(bound: inspect.BoundArguments) -> dict[str, Any]:
 class Runtime:
     """An enabled model: its mode, window, precision and per-sequence decode states.
 
-    Use :func:`enable` to make one. ``last_states`` maps layer → decode state of the sequence most
-    recently processed (for inspection: ``last_states[i].ckpt``, ``.pos``, ``.state()``).
+    Use :func:`enable` to make one. ``backend`` is ``"reference"`` or ``"triton"`` (resolved).
+    ``last_states`` maps layer → decode state of the sequence most recently processed (for
+    inspection: ``last_states[i].ckpt``, ``.pos``, ``.state()``).
     """
 
     def __init__(
@@ -132,13 +145,16 @@ class Runtime:
         *,
         window: int,
         precision: Precision,
-        tables: dict[int, SketchTables],
+        tables: dict[int, Any],
         prefill: int | None,
         probe: Probe | None,
+        backend: str = "reference",
+        buffer_dtype: torch.dtype = torch.float32,
     ):
         self.model, self.spec, self.mode = model, spec, mode
         self.window, self.precision, self.tables = window, precision, tables
         self.prefill, self.probe = prefill, probe
+        self.backend, self.buffer_dtype = backend, buffer_dtype
         self.glue: FunctionGlue = GLUES[spec.family]
         self.module = importlib.import_module(spec.arch.module)
         self.module_name = self.module.__name__
@@ -219,7 +235,22 @@ class Runtime:
         self.last_states = reg
         return reg
 
-    def _new_state(self, layer: int, checkpoint: Tensor) -> DecodeState:
+    def _new_state(self, layer: int, checkpoint: Tensor) -> Any:
+        if self.backend == "triton":
+            from sketchcal.runtime.kernel_state import make_kernel_state
+
+            return make_kernel_state(
+                self.mode,
+                self.spec.family,
+                checkpoint.float(),
+                groups=self.shapes[layer].groups,
+                window=self.window,
+                precision=self.precision,
+                tables=self.tables.get(layer),
+                buffer_dtype=self.buffer_dtype,
+                layer=layer,
+                probe=self.probe,
+            )
         return make_state(
             self.mode,
             self.spec.family,
@@ -246,7 +277,8 @@ class Runtime:
         s_in = named.get(glue.decode_state if kind == "decode" else glue.prefill_state)
         fresh = s_in is None
         n_tokens = glue.num_tokens(named) if kind == "prefill" else 1
-        if self.mode == "standard" and (not fresh or self.prefill is None or self.prefill >= n_tokens):
+        own = self.mode == "standard" and self.backend == "reference"  # the model's own decode steps
+        if own and (not fresh or self.prefill is None or self.prefill >= n_tokens):
             return impl(*args, **kwargs)
         registry = self._registry(active.cache, layer, fresh)
         if not fresh:  # decode steps continuing a cached state
@@ -256,13 +288,13 @@ class Runtime:
             ckpt_hf = glue.from_key_major(state.ckpt.state).float()
             if kind == "prefill":
                 return glue.prefill_result(named, out, ckpt_hf)
-            if glue.family == "mamba2" and state.flushes != flushes:
-                s_in.copy_(ckpt_hf)  # this function updates the cache's state in place: at flushes only
+            if glue.family == "mamba2" and (state.mode == "standard" or state.flushes != flushes):
+                s_in.copy_(ckpt_hf)  # this function updates the cache's state in place: when it is written
             return glue.decode_result(named, out, ckpt_hf)
         n0 = n_tokens if self.prefill is None else min(self.prefill, n_tokens)
         out0, s_hf = self._own_prefill(impl, (args, kwargs), named, n0, layer)
         rest = glue.slice_tokens(named, n0, n_tokens)
-        if self.mode == "standard":
+        if own:
             decode_impl = self._dispatchers["decode"].impl(passed.values())
             out1, s_hf = glue.own_steps(decode_impl, rest, s_hf)
             return glue.prefill_result(named, torch.cat([out0.float(), out1], dim=1), s_hf)
@@ -274,7 +306,7 @@ class Runtime:
         ckpt_hf = glue.from_key_major(state.ckpt.state).float()
         return glue.prefill_result(named, torch.cat(outs, dim=1), ckpt_hf)
 
-    def _resume(self, registry: dict[int, DecodeState], layer: int, s_hf: Tensor, named) -> WindowState:
+    def _resume(self, registry: dict[int, Any], layer: int, s_hf: Tensor, named) -> Any:
         """The decode state this call continues; a cached state never seen before becomes a checkpoint."""
         state = registry.get(layer)
         if state is not None and state.ckpt.state.shape[0] != self.glue.batch(named):
@@ -342,6 +374,46 @@ def _artifact_window(art: SketchArtifact) -> int:
         raise SketchcalError("the sketch has no valid window length; reconvert it") from None
 
 
+def _resolve_backend(
+    backend: str, mode: str, spec: ModelSpec, precision: Precision, probe: Probe | None, devices: list
+) -> str:
+    """``reference`` or ``triton`` for ``backend`` (see :func:`enable`); a one-line error where
+    ``triton`` was asked for and cannot run."""
+    if backend not in BACKENDS:
+        raise SketchcalError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "reference":
+        return backend
+    on_cuda = bool(devices) and all(d.type == "cuda" for d in devices)
+    if backend == "auto" and not on_cuda:
+        return "reference"
+    try:
+        from sketchcal.runtime.kernel_state import interpreting, unsupported
+    except ImportError as err:
+        if backend == "auto":
+            return "reference"
+        raise SketchcalError(f"backend='triton' needs Triton ({err}); use backend='reference'") from None
+    if not on_cuda and not interpreting():
+        raise SketchcalError(
+            "backend='triton' runs the decode kernels on a CUDA GPU: move the model to a GPU or use "
+            "backend='reference'"
+        )
+    why = unsupported(mode, spec.layers, precision, probe)
+    if why is None:
+        return "triton"
+    if backend == "auto":
+        return "reference"
+    raise SketchcalError(f"backend='triton': {why}; use backend='reference'")
+
+
+def _layer_tables(backend: str, layer, family: str, shape, device) -> SketchTables:
+    """One layer's sketch tables (the kernels' :class:`SketchTables`, which both backends read)."""
+    if backend == "triton":
+        from sketchcal.runtime.kernel_state import kernel_tables
+
+        return kernel_tables(layer, family, heads=shape.heads, key_dim=shape.key_dim, device=device)
+    return layer_tables(layer, family=family, heads=shape.heads, key_dim=shape.key_dim, device=device)
+
+
 def enable(
     model: nn.Module,
     artifact: str | Path | SketchArtifact | None = None,
@@ -353,6 +425,8 @@ def enable(
     prefill: int | None = None,
     compute_dtype: str | torch.dtype = "fp32",
     probe: Probe | None = None,
+    backend: str = "auto",
+    buffer_dtype: str | torch.dtype | None = None,
 ) -> Runtime:
     """Make ``model.generate()`` and forward passes decode in ``mode``; returns the :class:`Runtime`.
 
@@ -369,11 +443,23 @@ def enable(
         prefill: tokens of a fresh sequence run by the model's own prefill before decode steps
             start (None: the whole first call, as ``generate()`` wants; an int for teacher forcing).
         compute_dtype: dtype of the runtime math (fp32; fp64 for references).
-        probe: observer of reads and flushes (see :class:`~sketchcal.runtime.state.Probe`).
+        probe: observer of reads and flushes (see :class:`~sketchcal.runtime.state.Probe`); the
+            triton backend reports flushes only, and a probe that wants exact reads takes the
+            reference backend.
+        backend: ``triton`` (the decode kernels over a slot pool per layer; CUDA, or the CPU
+            interpreter with ``TRITON_INTERPRET=1``), ``reference`` (torch), or ``auto``: triton
+            when every recurrent layer is on CUDA, Triton imports and the kernels take the
+            configuration (fp32 math, no ``shared``, an fp32, bf16 or fp8 read copy, power-of-two
+            K, V ≥ 16, no probe of exact reads), else reference.
+        buffer_dtype: triton backend: dtype of the buffered inputs, fp32 or bf16 (default: the
+            artifact's ``traffic.buffer_dtype``, else bf16, on CUDA; fp32 in the interpreter).
+            fp32 makes replay exact to fp32 rounding; bf16 halves the buffer traffic. Ignored when
+            ``auto`` picks the reference backend.
 
     Raises:
-        SketchcalError: unsupported model, unknown mode or dtype, a sketch that does not fit the
-            model, or ``sketch`` mode without an artifact.
+        SketchcalError: unsupported model, unknown mode, backend or dtype, a sketch that does not
+            fit the model or the kernels, ``sketch`` mode without an artifact, or ``backend="triton"``
+            where the kernels cannot run.
     """
     if mode not in MODES:
         raise SketchcalError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -400,21 +486,25 @@ def enable(
     )
     if mode == "standard" and (shared or precision.read_dtype != torch.float32):
         raise SketchcalError("standard mode keeps the full fp32 state: read_dtype and shared do not apply")
-    tables: dict[int, SketchTables] = {}
+    if backend == "reference" and buffer_dtype is not None:
+        raise SketchcalError("buffer_dtype applies to the triton backend only")
+    devices = {m.layer_idx: next(m.parameters()).device for m in spec.mixers(model)}  # device_map safe
+    backend = _resolve_backend(backend, mode, spec, precision, probe, list(devices.values()))
+    buffers = torch.float32
+    if backend == "triton":
+        from sketchcal.runtime.kernel_state import buffer_dtype_for
+
+        traffic = art.config.get("traffic", {}) if art is not None else {}
+        first = next(iter(devices.values()))
+        buffers = buffer_dtype_for(buffer_dtype, first, traffic.get("buffer_dtype"))
+    tables: dict[int, Any] = {}
     if mode == "sketch":
-        devices = {m.layer_idx: next(m.parameters()).device for m in spec.mixers(model)}  # device_map safe
         for shape in spec.layers:
             try:
                 layer = art.layer(shape.layer)
             except KeyError:
                 raise SketchcalError(f"the sketch has no layer {shape.layer}; reconvert it") from None
-            tables[shape.layer] = layer_tables(
-                layer,
-                family=spec.family,
-                heads=shape.heads,
-                key_dim=shape.key_dim,
-                device=devices[shape.layer],
-            )
+            tables[shape.layer] = _layer_tables(backend, layer, spec.family, shape, devices[shape.layer])
     previous = _ENABLED.get(model)
     if previous is not None:
         previous.disable()
@@ -427,6 +517,8 @@ def enable(
         tables=tables,
         prefill=prefill,
         probe=probe,
+        backend=backend,
+        buffer_dtype=buffers,
     )
     runtime._start()
     _ENABLED[model] = runtime
