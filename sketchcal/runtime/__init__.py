@@ -16,8 +16,8 @@ Public API::
 
 Modules: ``precision`` (dtypes of checkpoint, read copy, math), ``sketch`` (one layer's sketch
 tables: the kernels' ``SketchTables``), ``state`` (decode-state objects), ``kernel_state`` (the
-same on the Triton kernels; imported only when the triton backend runs), ``families`` (the transformers kernel-function contracts),
-``patch`` (plugging the modes into a transformers model).
+same on the Triton kernels; imported only when the triton backend runs), ``families`` (the
+transformers kernel-function contracts), ``patch`` (plugging the modes into a transformers model).
 """
 
 from sketchcal.runtime.patch import BACKENDS, Runtime, disable, enable, enabled, runtime_of
