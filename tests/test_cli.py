@@ -219,8 +219,9 @@ def test_cli_bad_value_is_one_line_exit_2(tmp_path):
 
 
 def test_convert_command_end_to_end_results_on_stdout(tmp_path):
+    from synthetic_stats import gdn_layers, tiny_gdn_model, write_synthetic_stats
+
     from sketchcal.artifact import config_fingerprint, read_sketch
-    from sketchcal.artifact.synthetic import gdn_layers, tiny_gdn_model, write_synthetic_stats
 
     model = tmp_path / "model"
     cfg = tiny_gdn_model(model)

@@ -22,13 +22,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from synthetic_stats import write_synthetic_stats
+
 from sketchcal.artifact.convert import convert
 from sketchcal.artifact.sketch import SketchLayer, read_sketch
-from sketchcal.artifact.synthetic import write_synthetic_stats
 from sketchcal.errors import SketchcalError
 from sketchcal.kernels.common import StepInputs
 from sketchcal.models import describe, use_torch_path
-from sketchcal.runtime import Precision, SketchTables, enable, enabled, make_state
+from sketchcal.runtime import Precision, enable, enabled, layer_tables, make_state
 from sketchcal.runtime.kernel_state import kernel_tables, make_kernel_state
 from sketchcal.verify.metrics import kl_per_token
 
@@ -267,7 +268,7 @@ def test_drafts_and_accepts_match_the_reference_state(fam, mode):
     s0 = 0.3 * torch.randn(2, h, k, k, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
     layer = sketch_layer(h, g, k, [0, 4, 8, 12])
     ref_tables = (
-        SketchTables.from_layer(layer, heads=h, key_dim=k, device=DEVICE) if mode == "sketch" else None
+        layer_tables(layer, family=fam, heads=h, key_dim=k, device=DEVICE) if mode == "sketch" else None
     )
     tables = kernel_tables(layer, fam, heads=h, key_dim=k, device=DEVICE) if mode == "sketch" else None
     ref = make_state(mode, fam, s0, window=L, tables=ref_tables)

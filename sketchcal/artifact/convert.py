@@ -146,7 +146,7 @@ def traffic_models(
     family: str, layers: Iterable[Any], window: int, read_dtype: str, buffer_dtype: str
 ) -> list[TrafficModel]:
     """The byte model of each layer (``key_dim``, ``value_dim``, ``heads_per_group`` attributes: a
-    :class:`~sketchcal.artifact.stats.LayerInfo` or a model's layer shape), fp32 checkpoints."""
+    :class:`~sketchcal.formats.stats.LayerInfo` or a model's layer shape), fp32 checkpoints."""
     try:
         read_bytes, buffer_bytes = dtype_bytes(read_dtype), dtype_bytes(buffer_dtype)
     except ValueError as err:

@@ -27,8 +27,8 @@ from torch import nn
 
 from sketchcal.artifact.convert import fit_sketch, sketch_section, traffic_models
 from sketchcal.artifact.sketch import SketchArtifact, read_sketch
-from sketchcal.artifact.stats import Stats, load_stats
 from sketchcal.errors import SketchcalError
+from sketchcal.formats.stats import Stats, load_stats
 from sketchcal.fsutil import finite_json
 from sketchcal.models import ModelSpec
 from sketchcal.runtime import enabled
