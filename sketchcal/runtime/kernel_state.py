@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -364,26 +365,19 @@ def make_kernel_state(
     state: Tensor,
     *,
     groups: int,
-    window: int,
-    precision: Precision = Precision(),
     tables: KernelTables | None = None,
-    buffer_dtype: torch.dtype = torch.float32,
-    layer: int | None = None,
-    probe: Probe | None = None,
+    **options: Any,
 ) -> KernelState:
-    """A kernel decode state in ``mode`` starting from ``state`` [B, H, K, V] fp32 (the first checkpoint)."""
+    """A kernel decode state in ``mode`` starting from ``state`` [B, H, K, V] fp32 (the first checkpoint).
+
+    ``options`` are the state's own keywords (``layer``, ``probe``; for the window modes also
+    ``window``, ``precision``, ``buffer_dtype``, which ``standard`` mode has no use for).
+    """
     if mode == "standard":
-        return KernelStandardState(family, state, groups=groups, layer=layer, probe=probe)
+        for unused in ("window", "precision", "buffer_dtype"):
+            options.pop(unused, None)
+        return KernelStandardState(family, state, groups=groups, **options)
     if mode == "sketch" and tables is None:
         raise SketchcalError("sketch mode needs the sketch tables of the layer (a converted model)")
-    return KernelWindowState(
-        family,
-        state,
-        groups=groups,
-        window=window,
-        precision=precision,
-        tables=tables if mode == "sketch" else None,
-        buffer_dtype=buffer_dtype,
-        layer=layer,
-        probe=probe,
-    )
+    window_tables = tables if mode == "sketch" else None
+    return KernelWindowState(family, state, groups=groups, tables=window_tables, **options)
