@@ -47,7 +47,15 @@ class MixerCall:
 
 
 def torch_reference(fn: Callable) -> Callable:
-    """The torch implementation behind a transformers kernel function (``__wrapped__``)."""
+    """The torch implementation behind a transformers kernel function (``__wrapped__``).
+
+    With the ``kernels`` package installed, transformers wraps each such function once more in a
+    function module (an ``nn.Module`` whose ``forward`` calls the decorated function it closes over);
+    that function is unwrapped too.
+    """
+    if isinstance(fn, nn.Module):
+        inner = inspect.getclosurevars(type(fn).forward).nonlocals.get("func")
+        fn = inner if callable(inner) else fn
     return getattr(fn, "__wrapped__", fn)
 
 
