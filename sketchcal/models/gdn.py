@@ -30,7 +30,9 @@ class GdnAdapter:
         heads, groups = mixer.num_v_heads, mixer.num_k_heads  # the key heads are the groups
         return LayerShape(mixer.layer_idx, heads, groups, mixer.head_k_dim, mixer.head_v_dim)
 
-    def inputs(self, kind: str, args: dict[str, Any]) -> tuple[StepInputs, Tensor | None]:
+    def inputs(
+        self, kind: str, args: dict[str, Any], *, step_dynamics: bool = False
+    ) -> tuple[StepInputs, Tensor | None]:  # both functions compute the same dynamics
         q, k, w, beta, decay, state = delta_rule_terms(args, _l2norm)
         q = q * q.shape[-1] ** -0.5
         rep = w.shape[-2] // k.shape[-2]  # value heads per key head

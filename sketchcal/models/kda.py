@@ -29,7 +29,9 @@ class KdaAdapter:
     def layer_shape(self, mixer: nn.Module) -> LayerShape:
         return LayerShape(mixer.layer_idx, mixer.num_heads, mixer.num_heads, mixer.head_dim, mixer.head_dim)
 
-    def inputs(self, kind: str, args: dict[str, Any]) -> tuple[StepInputs, Tensor | None]:
+    def inputs(
+        self, kind: str, args: dict[str, Any], *, step_dynamics: bool = False
+    ) -> tuple[StepInputs, Tensor | None]:  # both functions compute the same dynamics
         q, k, w, beta, decay, state = delta_rule_terms(args, _l2norm)
         q = q * (1 / q.shape[-1] ** 0.5)
         return StepInputs(k=k.double(), q=q.double(), w=w, decay=decay, beta=beta), state
