@@ -165,7 +165,7 @@ class FakeHub:
 
 @pytest.fixture
 def online(monkeypatch):
-    """Let huggingface_hub make requests in this process (the test session is offline by default)."""
+    """Let huggingface_hub make requests in this process (the tests run offline by default)."""
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)

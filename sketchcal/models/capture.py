@@ -47,7 +47,17 @@ class MixerCall:
 
 
 def torch_reference(fn: Callable) -> Callable:
-    """The torch implementation behind a transformers kernel function (``__wrapped__``)."""
+    """The torch implementation behind a transformers kernel function.
+
+    transformers wraps it with ``functools.wraps`` (``__wrapped__``); with the ``kernels`` package
+    installed (a dependency from transformers 5.25) that wrapper is itself held by an ``nn.Module``
+    standing in for the function, whose ``forward`` closes over it as ``func``.
+    """
+    if isinstance(fn, nn.Module):
+        forward = type(fn).forward
+        cells = dict(zip(forward.__code__.co_freevars, forward.__closure__ or (), strict=True))
+        if "func" in cells:
+            fn = cells["func"].cell_contents
     return getattr(fn, "__wrapped__", fn)
 
 
