@@ -24,7 +24,6 @@ Speedup = L · standard ÷ window.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import statistics
 import time
@@ -416,7 +415,8 @@ def _ssu_anchor(name: str, pools, xs, slots, raw: dict) -> AnchorRun | str:
         if name == "vLLM":
             from vllm.model_executor.layers.mamba.ops.mamba_ssm import selective_state_update
 
-            extra = dict(null_block_id=-1)  # our slot 0 is a real sequence, not vLLM's null block
+            # our slot 0 is a real sequence, not vLLM's null block; vLLM writes a preallocated output
+            extra = dict(null_block_id=-1, out=torch.empty_like(raw["x"][0]))
         else:
             from mamba_ssm.ops.triton.selective_state_update import selective_state_update
 
@@ -434,7 +434,7 @@ def _ssu_anchor(name: str, pools, xs, slots, raw: dict) -> AnchorRun | str:
     ]
 
     def launch(state: torch.Tensor, t: int) -> torch.Tensor:
-        return selective_state_update(
+        y = selective_state_update(
             state,
             A=a_mat,
             D=d_vec,
@@ -444,6 +444,7 @@ def _ssu_anchor(name: str, pools, xs, slots, raw: dict) -> AnchorRun | str:
             **args[t],
             **extra,
         )
+        return extra["out"] if y is None else y
 
     def run(i: int, t: int) -> None:
         launch(states[i], t)
@@ -830,24 +831,3 @@ def print_bench(result: dict, console=None) -> None:
             f"(flush, then the reads, on one stream: {s['replay_staggered_serial_vs_standard']:.2f}×, "
             f"{s['sketch_staggered_serial_vs_standard']:.2f}×)"
         )
-
-
-def main(
-    family: str = "gdn",
-    batch: int = 256,
-    rank: float = 8,
-    window: int = 16,
-    read_dtype: str = "bf16",
-    pools: int = 4,
-    tune: bool = False,
-    json_out: str | None = None,
-    staggered: bool = False,
-) -> dict:
-    """Entry point for the ``sketchcal bench`` command: run, print the table, optionally save JSON."""
-    result = run_bench(family, batch, rank, window, read_dtype, pools, tune=tune, staggered=staggered)
-    print_bench(result)
-    if json_out:
-        from sketchcal.fsutil import write_bytes
-
-        write_bytes(json_out, json.dumps(result, indent=1, default=str).encode())
-    return result

@@ -76,6 +76,8 @@ class GraphDecoder:
             )
         windowed = self.runtime is not None and self.runtime.mode != "standard"
         self.phases = self.runtime.window if windowed else 1
+        # the runtime's pool holds the states: the cache's copies are released after prefill
+        self.release_cache = self.runtime is not None and self.runtime.holds_states
         self.last_times: DecodeTimes | None = None
 
     @torch.no_grad()
@@ -103,7 +105,7 @@ class GraphDecoder:
             out = torch.empty(batch, max_new_tokens, dtype=ids.dtype, device=self.device)
             token = logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]: the static input of every step
             out[:, 0] = token[:, 0]
-            if self.runtime is not None and self.runtime.holds_states:
+            if self.release_cache:
                 _release_recurrent_tensors(cache)
             prefill_s = clock.lap()
 
