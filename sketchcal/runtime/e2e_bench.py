@@ -227,6 +227,7 @@ def run_e2e(
                 if "ms_per_step" in row:
                     row["tokens_per_s"] = batch / (row["ms_per_step"] / 1e3)
                 result["rows"].append(row)
+                bar.console.log(_row_line(row))
                 bar.advance(task)
             ref = tokens.get("standard")
             for row in result["rows"]:
@@ -234,6 +235,17 @@ def run_e2e(
                     row["same_tokens_as_standard"] = float((tokens[row["mode"]] == ref).float().mean())
     _summarise(result)
     return result
+
+
+def _row_line(row: dict) -> str:
+    """One row as a log line (printed as soon as it is measured)."""
+    if "error" in row:
+        return f"batch {row['batch']} {row['mode']}: {row['error']}"
+    return (
+        f"batch {row['batch']} {row['mode']}: prefill {row['prefill_s']:.2f} s, "
+        f"{row['ms_per_step']:.2f} ms/step, "
+        f"{row['tokens_per_s']:,.0f} tokens/s, peak {row['peak_gib']:.1f} GiB"
+    )
 
 
 def _summarise(result: dict) -> None:
