@@ -3,8 +3,9 @@
 For one family and batch size it times, side by side in one run:
 
 - ``standard``: our standard step (read the fp32 state, update, write);
-- ``anchor``: the public kernel for the same step (fla 0.6.0 ``fused_recurrent`` for GDN and
-  KDA, mamba_ssm's ``selective_state_update`` for Mamba-2), when importable;
+- every public kernel for the same step that imports, each in the state layout it takes (fla's
+  ``fused_recurrent`` for GDN and KDA, key-major and value-major; vLLM's and mamba_ssm's
+  ``selective_state_update`` for Mamba-2); the fastest is the ``anchor``;
 - the ReplaySSM window: (L − 1) replay steps + 1 flush, and the SketchSSM window: (L − 1)
   sketch steps + 1 flush (which also writes the sketch R_{:m} S_c), each per window and per
   component;
