@@ -81,16 +81,24 @@ class GraphDecoder:
         self.last_times: DecodeTimes | None = None
 
     @torch.no_grad()
-    def generate(self, input_ids: Tensor, max_new_tokens: int) -> Tensor:
+    def generate(
+        self, input_ids: Tensor, max_new_tokens: int, attention_mask: Tensor | None = None
+    ) -> Tensor:
         """Greedy continuation of ``input_ids`` [B, P] by ``max_new_tokens`` tokens: [B, P + N].
 
         Token t is the argmax of the logits after token t − 1, as ``generate(do_sample=False)``
-        gives; no stop tokens (every row decodes N tokens).
+        gives; no stop tokens (every row decodes N tokens). Prompts are unpadded: an
+        ``attention_mask`` with a zero is refused.
         """
         from transformers import StaticCache
 
         if input_ids.ndim != 2 or input_ids.shape[1] < 1:
             raise SketchcalError("input_ids must be [batch, prompt_len] with at least one prompt token")
+        if attention_mask is not None and not bool(attention_mask.bool().all()):
+            raise SketchcalError(
+                "GraphDecoder decodes prompts of equal length without padding; group prompts by length "
+                "or use model.generate() for padded batches"
+            )
         if max_new_tokens < 1:
             raise SketchcalError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         ids = input_ids.to(self.device)
