@@ -125,36 +125,83 @@ def inspect(
 
 @app.command()
 def bench(
-    family: Annotated[str, typer.Option(help="mamba2, gdn or kda")] = "gdn",
-    batch: Annotated[int, typer.Option(help="Sequences per decode step")] = 256,
+    model: Annotated[
+        str | None,
+        typer.Argument(
+            help="--e2e only: a real config with random weights (qwen3.5-4b, nemotron-3-nano, "
+            "kimi-linear-48b), a converted model directory, or a model id / builtin:NAME"
+        ),
+    ] = None,
+    e2e: Annotated[
+        bool, typer.Option(help="Time whole-model decoding (tokens/s) instead of the kernels")
+    ] = False,
+    family: Annotated[str, typer.Option(help="Kernels: mamba2, gdn or kda")] = "gdn",
+    batch: Annotated[str, typer.Option(help="Sequences per decode step; several as 64,256,512")] = "256",
     rank: Annotated[float, typer.Option(help="Mean sketch rank (realistic per-head spread)")] = 8,
     window: Annotated[int, typer.Option(help="Window length L")] = 16,
     read_dtype: Annotated[
-        str, typer.Option(help="Read copy and sketch precision: bf16, fp32 or fp8 (e4m3)")
+        str, typer.Option(help="Kernels: read copy and sketch precision, bf16, fp32 or fp8 (e4m3)")
     ] = "bf16",
-    pools: Annotated[int, typer.Option(help="State pools rotated for a cold L2")] = 4,
-    tune: Annotated[bool, typer.Option(help="Tune launch shapes first")] = False,
-    json_out: Annotated[Path | None, typer.Option(help="Also write the results as JSON")] = None,
+    pools: Annotated[int, typer.Option(help="Kernels: state pools rotated for a cold L2")] = 4,
+    tune: Annotated[bool, typer.Option(help="Kernels: tune launch shapes first")] = False,
     staggered: Annotated[
-        bool, typer.Option(help="Also time windows in staggered phases (each step flushes ~B/L sequences)")
+        bool, typer.Option(help="Kernels: also time windows in staggered phases (each step flushes ~B/L)")
     ] = False,
+    prompt_len: Annotated[int, typer.Option(help="--e2e: prompt tokens per sequence")] = 1024,
+    new_tokens: Annotated[int, typer.Option(help="--e2e: decoded tokens per sequence")] = 256,
+    modes: Annotated[
+        str, typer.Option(help="--e2e: comma-separated among generate,own,standard,replay,sketch,bound")
+    ] = "generate,own,standard,replay,sketch,bound",
+    layers: Annotated[int | None, typer.Option(help="--e2e: cut kimi-linear-48b to this many layers")] = None,
+    json_out: Annotated[Path | None, typer.Option(help="Also write the results as JSON")] = None,
 ) -> None:
-    """Time the decode kernels (standard, replay, sketch, public anchor) on a CUDA device."""
-    from sketchcal.kernels.bench import main as run
+    """Time decoding on a CUDA device: the decode kernels of one layer (standard, replay, sketch,
+    the public kernels), or with --e2e whole models (tokens/s of generate(), the graph decoder with
+    the model's own kernels and with ours, and the Amdahl bound)."""
+    import json as _json
 
-    if family not in ("mamba2", "gdn", "kda"):
-        raise SketchcalError(f"unknown --family {family!r}; choose mamba2, gdn or kda")
-    run(
-        family,
-        batch,
-        rank,
-        window,
-        read_dtype,
-        pools,
-        tune,
-        None if json_out is None else str(json_out),
-        staggered,
-    )
+    from sketchcal.fsutil import write_bytes
+
+    try:
+        batches = [int(b) for b in batch.split(",")]
+    except ValueError:
+        raise SketchcalError(f"--batch takes integers separated by commas, got {batch!r}") from None
+    if not batches or min(batches) < 1:
+        raise SketchcalError("--batch must be positive")
+    if e2e:
+        from sketchcal.runtime.e2e_bench import print_e2e, run_e2e
+
+        if model is None:
+            raise SketchcalError(
+                "--e2e needs a MODEL: a real config name, a converted directory or a model id"
+            )
+        result = run_e2e(
+            model,
+            batches,
+            prompt=prompt_len,
+            new=new_tokens,
+            rank=rank,
+            window=window,
+            modes=tuple(m for m in modes.split(",") if m),
+            layers=layers,
+        )
+        print_e2e(result)
+        results: object = result
+    else:
+        from sketchcal.kernels.bench import print_bench, run_bench
+
+        if model is not None:
+            raise SketchcalError("a MODEL argument is for --e2e; the kernel benchmark takes --family")
+        if family not in ("mamba2", "gdn", "kda"):
+            raise SketchcalError(f"unknown --family {family!r}; choose mamba2, gdn or kda")
+        results = []
+        for b in batches:
+            r = run_bench(family, b, rank, window, read_dtype, pools, tune=tune, staggered=staggered)
+            print_bench(r)
+            results.append(r)
+        results = results[0] if len(results) == 1 else results
+    if json_out is not None:
+        write_bytes(json_out, _json.dumps(results, indent=1, default=str).encode())
 
 
 settings_command(

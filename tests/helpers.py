@@ -50,7 +50,7 @@ def calibrate_worker(rank: int, port: int, out: str, kwargs: dict) -> None:
 
 
 def recipes_train() -> ModuleType:
-    """``recipes/train.py`` as a module (recipes/ is not a package), loaded once per session."""
+    """``recipes/train.py`` as a module (recipes/ is not a package), loaded once per test process."""
     name = "sketchcal_recipes_train"
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, ROOT / "recipes" / "train.py")

@@ -49,7 +49,7 @@ def test_version():
         [sys.executable, "-m", "sketchcal", "--version"],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env=dict(os.environ),
         timeout=60,
     )
     assert proc.returncode == 0 and proc.stdout == f"sketchcal {sketchcal.__version__}\n"
@@ -209,7 +209,7 @@ def test_cli_bad_value_is_one_line_exit_2(tmp_path):
         [sys.executable, "-m", "sketchcal", "convert", "stats", "--out", str(tmp_path / "o")],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "300"},
+        env={**os.environ, "COLUMNS": "300"},
         timeout=60,
     )
     assert proc.returncode == 2 and proc.stdout == ""
@@ -235,7 +235,7 @@ def test_convert_command_end_to_end_results_on_stdout(tmp_path):
         [sys.executable, "-m", "sketchcal", *args, "--reference-only"],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"},
+        env={**os.environ, "COLUMNS": "200"},
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr

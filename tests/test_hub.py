@@ -165,7 +165,7 @@ class FakeHub:
 
 @pytest.fixture
 def online(monkeypatch):
-    """Let huggingface_hub make requests in this process (the test session is offline by default)."""
+    """Let huggingface_hub make requests in this process (the tests run offline by default)."""
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
@@ -515,7 +515,6 @@ def test_failed_upload_leaves_the_directory_untouched(model_dir, hub):
 def _cli(args: list[str], endpoint: str, home: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
     env.update(HF_ENDPOINT=endpoint, HF_TOKEN=TOKEN, HF_HUB_OFFLINE="0", HF_HOME=str(home), COLUMNS="200")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     return subprocess.run(
         [sys.executable, "-m", "sketchcal", *args], capture_output=True, text=True, env=env, timeout=120
     )

@@ -30,6 +30,7 @@ from sketchcal.errors import SketchcalError
 from sketchcal.kernels.common import StepInputs
 from sketchcal.models import describe, use_torch_path
 from sketchcal.runtime import Precision, enable, enabled, layer_tables, make_state
+from sketchcal.runtime.graph_decode import GraphDecoder
 from sketchcal.runtime.kernel_state import kernel_tables, make_kernel_state
 from sketchcal.verify.metrics import kl_per_token
 
@@ -213,6 +214,77 @@ def test_standard_mode_is_the_models_own_decode(fam_model):
     out, states = generate(model, prompt, new, None, "standard", backend="triton")
     assert torch.equal(out.sequences, generate(model, prompt, new))
     assert all(st.mode == "standard" for st in states.values())
+
+
+# ---- the graph decoder (StaticCache, the pool, one graph per window phase on CUDA) -----------------
+
+
+def graph_generate(model, prompt, new: int, *args, **kw) -> torch.Tensor:
+    """Greedy tokens [B, P + new] from :class:`GraphDecoder` (eager off CUDA), with the model's own
+    decode (no ``args``) or in a runtime's mode; the runtime is left as it was found."""
+    if not args:
+        return GraphDecoder(model).generate(prompt, new)
+    with enabled(model, *args, **kw) as rt:
+        out = GraphDecoder(model).generate(prompt, new)
+        assert rt.mirror_cache  # restored
+    return out
+
+
+def check_graph_decoder(model, art, prompt, new: int, window: int) -> None:
+    """The decoder's tokens: the model's own decode equal to ``generate()``; replay (fp32 buffers)
+    equal to both; sketch equal to ``generate()`` in sketch mode on the same backend."""
+    plain = generate(model, prompt, new)
+    assert torch.equal(graph_generate(model, prompt, new), plain)
+    kw = dict(window=window, backend="triton", **EXACT)
+    assert torch.equal(graph_generate(model, prompt, new, art, "replay", **kw), plain)
+    sketch, _ = generate(model, prompt, new, art, "sketch", **kw)
+    assert torch.equal(graph_generate(model, prompt, new, art, "sketch", **kw), sketch.sequences)
+
+
+def test_graph_decoder_decodes_the_same_tokens(fam_model):
+    _, model, _, art = fam_model
+    check_graph_decoder(model, art, ids_for(model, 2, P + 3, 21), 2 * L + 3, L)
+
+
+def test_graph_decoder_keeps_the_state_in_the_pool_only(fam_model):
+    """With a runtime the cache's recurrent tensors are released: the pool is the one copy."""
+    from transformers import StaticCache
+
+    _, model, spec, art = fam_model
+    seen = []
+    original = StaticCache.__init__
+
+    def spy(self, *a, **k):
+        original(self, *a, **k)
+        seen.append(self)
+
+    StaticCache.__init__ = spy
+    try:
+        graph_generate(model, ids_for(model, 2, P, 22), L + 1, art, "sketch", window=L, backend="triton")
+    finally:
+        StaticCache.__init__ = original
+    (cache,) = seen
+    for shape in spec.layers:
+        assert cache.layers[shape.layer].recurrent_states[0].numel() == 0
+
+
+def test_graph_decoder_refusals():
+    model, _ = tiny_model("gdn")
+    with pytest.raises(SketchcalError, match="CUDA device") as err:
+        GraphDecoder(model.cpu(), graphs=True)
+    assert "\n" not in str(err.value)
+    model.to(DEVICE)
+    with enabled(model, None, "replay", backend="reference"):
+        if DEVICE == "cuda":
+            with pytest.raises(SketchcalError, match="backend='triton'"):
+                GraphDecoder(model, graphs=True)
+        with pytest.raises(SketchcalError, match="max_new_tokens"):
+            GraphDecoder(model, graphs=False).generate(ids_for(model, 1, 4, 0), 0)
+        ids = ids_for(model, 2, 4, 0)
+        padded = torch.ones_like(ids)
+        padded[0, 0] = 0
+        with pytest.raises(SketchcalError, match="without padding"):
+            GraphDecoder(model, graphs=False).generate(ids, 2, attention_mask=padded)
 
 
 # ---- speculative drafts: kernel states against reference states (no model) ----------------------
@@ -420,3 +492,11 @@ def test_demo_model_bf16_buffers_gpu(demo):
     sketch, _ = forward(model, ids, art, "sketch", "reference", window, read_dtype="bf16")
     kl = float(kl_per_token(ref[:, P:], got[:, P:]).mean())
     assert kl <= 1e-3 and 10 * kl < float(kl_per_token(ref[:, P:], sketch[:, P:]).mean())
+
+
+@pytest.mark.gpu
+def test_demo_model_graph_decoder_gpu(demo):
+    """CUDA graphs at batch 64, 256 tokens: replay's greedy tokens are the model's own."""
+    model, art = demo
+    window = int(art.config["window"])
+    check_graph_decoder(model, art, ids_for(model, GPU_BATCH, P + window, 14), GPU_NEW, window)

@@ -19,15 +19,7 @@ from pathlib import Path
 
 import torch
 
-from sketchcal.models.tiny import attention_fields, gdn_fields, text_fields
-
-# Qwen3.5-4B text model: 32 layers (24 GDN: 16 key heads, 32 value heads, K=V=128; 8 attention).
-QWEN35_4B = dict(
-    **text_fields(2560, 9216, 248320, 4096),
-    **attention_fields(16, 4, 256),
-    **gdn_fields(16, 32, 128, 128),
-    num_hidden_layers=32,
-)
+from sketchcal.models.real import real_config
 
 
 def build_model_dir(kind: str, root: Path, dtype: torch.dtype, device: str) -> str:
@@ -40,7 +32,7 @@ def build_model_dir(kind: str, root: Path, dtype: torch.dtype, device: str) -> s
     if (out / "config.json").exists():
         return str(out)
     tok = tf.AutoTokenizer.from_pretrained(builtin_tokenizer_path())
-    cfg = tf.Qwen3_5TextConfig(**QWEN35_4B, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 8)
+    cfg = real_config("qwen3.5-4b")
     cfg.eos_token_id = cfg.pad_token_id = tok.eos_token_id
     torch.manual_seed(0)
     with torch.device(device):

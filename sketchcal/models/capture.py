@@ -48,15 +48,17 @@ class MixerCall:
 
 
 def torch_reference(fn: Callable) -> Callable:
-    """The torch implementation behind a transformers kernel function (``__wrapped__``).
+    """The torch implementation behind a transformers kernel function.
 
-    With the ``kernels`` package installed, transformers wraps each such function once more in a
-    function module (an ``nn.Module`` whose ``forward`` calls the decorated function it closes over);
-    that function is unwrapped too.
+    transformers wraps it with ``functools.wraps`` (``__wrapped__``); with the ``kernels`` package
+    installed (a dependency from transformers 5.25) that wrapper is itself held by an ``nn.Module``
+    standing in for the function, whose ``forward`` closes over it as ``func``.
     """
     if isinstance(fn, nn.Module):
-        inner = inspect.getclosurevars(type(fn).forward).nonlocals.get("func")
-        fn = inner if callable(inner) else fn
+        forward = type(fn).forward
+        cells = dict(zip(forward.__code__.co_freevars, forward.__closure__ or (), strict=True))
+        if "func" in cells:
+            fn = cells["func"].cell_contents
     return getattr(fn, "__wrapped__", fn)
 
 

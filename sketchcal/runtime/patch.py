@@ -167,6 +167,15 @@ class Runtime:
         self._tokens: list[contextvars.Token] = []
         self._dispatchers: dict[str, _Dispatcher] = {}
         self.active = False
+        # Write each new checkpoint into the cache's recurrent state (what a reader of the cache
+        # sees); the graph decoder turns it off, as its pool is the only copy it keeps.
+        self.mirror_cache = True
+
+    @property
+    def holds_states(self) -> bool:
+        """Whether decode steps keep the recurrent states in the runtime's own decode states (all but
+        the reference backend's ``standard`` mode, which runs the model's own one-token function)."""
+        return not (self.mode == "standard" and self.backend == "reference")
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -277,7 +286,7 @@ class Runtime:
         s_in = named.get(glue.decode_state if kind == "decode" else glue.prefill_state)
         fresh = s_in is None
         n_tokens = glue.num_tokens(named) if kind == "prefill" else 1
-        own = self.mode == "standard" and self.backend == "reference"  # the model's own decode steps
+        own = not self.holds_states  # the model's own decode steps
         if own and (not fresh or self.prefill is None or self.prefill >= n_tokens):
             return impl(*args, **kwargs)
         registry = self._registry(active.cache, layer, fresh)
@@ -285,6 +294,8 @@ class Runtime:
             state = self._resume(registry, layer, s_in, named)
             flushes = state.flushes
             out = state.step(self._inputs(kind, named))
+            if not self.mirror_cache and kind == "decode":  # the cache's tensor is handed back untouched
+                return glue.decode_result(named, out, s_in)
             ckpt_hf = glue.from_key_major(state.ckpt.state).float()
             if kind == "prefill":
                 return glue.prefill_result(named, out, ckpt_hf)

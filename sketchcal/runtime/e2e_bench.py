@@ -1,0 +1,316 @@
+"""Whole-model decode throughput: ``sketchcal bench MODEL --e2e``.
+
+For one model and each batch size, in one process, one prompt batch (random token ids, ``prompt``
+tokens each) is decoded greedily for ``new`` tokens by:
+
+- ``generate``: plain ``model.generate()``, as a user has it (dynamic cache, the model's own decode
+  kernels: fla / mamba-ssm where installed);
+- ``own``: :class:`~sketchcal.runtime.graph_decode.GraphDecoder` with the model's own decode
+  kernels (the fast loop with the public kernels transformers calls);
+- ``standard``, ``replay``, ``sketch``: the graph decoder with the runtime's Triton kernels in that
+  mode (sketch at the artifact's ranks; for a random-weight config, random bases at ``rank``
+  spread over the heads as an allocation spreads them);
+- ``bound``: the graph decoder with every recurrent layer's decode call replaced by one that
+  returns zeros and touches no state: the step without its recurrent-state work, the most any
+  recurrent kernel could gain (the Amdahl bound).
+
+Each row reports the prefill time, the decode time per step over the graph-replayed steps (CUDA
+events; ``generate``: its whole decode over ``new`` − 1 steps), decode tokens/s (batch ÷ step),
+peak GPU memory (``torch.cuda.max_memory_allocated`` over that row's prefill and decode) and the
+share of tokens equal to ``standard``'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from sketchcal.errors import SketchcalError
+
+MODES = ("generate", "own", "standard", "replay", "sketch", "bound")
+
+
+def load_bench_model(name: str, *, layers: int | None = None, dtype: torch.dtype = torch.bfloat16):
+    """``(model, artifact or None)``: a random-weight model of a real config (:data:`REAL_CONFIGS`),
+    a converted model directory (its base weights and sketch), or any supported model id."""
+    import transformers as tf
+
+    from sketchcal.models.real import REAL_CONFIGS, real_config
+
+    if name in REAL_CONFIGS:
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = tf.AutoModelForCausalLM.from_config(real_config(name, layers), dtype=dtype)
+        return model.eval(), None
+    from sketchcal.artifact.sketch import CONFIG_KEY, read_sketch
+    from sketchcal.models.loading import load_model
+
+    artifact = None
+    path = Path(name)
+    if (path / "config.json").is_file() and CONFIG_KEY in json.loads((path / "config.json").read_text()):
+        artifact = read_sketch(path)
+    loaded = load_model(name, device="cuda", dtype="float32" if name.startswith("builtin:") else "auto")
+    return loaded.model.eval(), artifact
+
+
+def random_artifact(model: nn.Module, rank: float, window: int):
+    """A sketch of ``model``'s layers with random orthonormal frames and maps, per-head ranks spread
+    around ``rank`` as an allocation spreads them (the kernels' speed does not depend on values)."""
+    from sketchcal import __version__
+    from sketchcal.artifact.sketch import SketchArtifact, SketchLayer
+    from sketchcal.kernels.common.pool import rank_spread
+    from sketchcal.models import describe
+
+    spec = describe(model)
+    gen = torch.Generator().manual_seed(0)
+    layers = []
+    for s in spec.layers:
+        ranks = [s.key_dim if r == 0 else r for r in rank_spread(s.heads, rank, s.key_dim)]
+        frame = torch.linalg.qr(torch.randn(s.groups, s.key_dim, s.key_dim, generator=gen))[0]
+        coef = torch.zeros(s.heads, max(ranks), s.key_dim)
+        for h, m in enumerate(ranks):
+            coef[h, :m, :m] = torch.eye(m)
+        layers.append(SketchLayer(s.layer, frame, coef, torch.tensor(ranks, dtype=torch.int32)))
+    config = {
+        "family": spec.family,
+        "window": window,
+        "traffic": {"read_dtype": "bf16", "buffer_dtype": "bf16"},
+    }
+    meta = {"fingerprint": spec.fingerprint, "producer": f"sketchcal {__version__} (random bench sketch)"}
+    return SketchArtifact(config, meta, layers)
+
+
+@contextlib.contextmanager
+def state_work_removed(model: nn.Module) -> Iterator[None]:
+    """Replace the recurrent layers' decode function by one that returns zeros and the state it was
+    given, untouched (the Amdahl bound's step)."""
+    from sketchcal.models import describe
+
+    spec = describe(model)
+    module = importlib.import_module(spec.arch.module)
+    name = spec.adapter.decode_fn
+    original = getattr(module, name)
+
+    if spec.family == "mamba2":
+
+        def null(state, hidden_states, *args, **kwargs):
+            return torch.zeros_like(hidden_states)
+    else:
+
+        def null(query, key, value, *args, initial_state=None, **kwargs):
+            return torch.zeros_like(value), initial_state
+
+    setattr(module, name, null)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+def _peak_reset() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def _generate_row(model: nn.Module, ids: torch.Tensor, new: int) -> tuple[dict, torch.Tensor]:
+    opts = dict(do_sample=False, pad_token_id=0, eos_token_id=None, attention_mask=torch.ones_like(ids))
+
+    def timed(n: int) -> tuple[float, torch.Tensor]:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **opts)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0, out
+
+    prefill_s, _ = timed(1)
+    total_s, out = timed(new)
+    step_ms = 1e3 * (total_s - prefill_s) / (new - 1)
+    return dict(prefill_s=prefill_s, ms_per_step=step_ms), out
+
+
+def _graph_row(model: nn.Module, ids: torch.Tensor, new: int, mode: str, artifact, window: int):
+    from sketchcal.runtime.graph_decode import GraphDecoder
+    from sketchcal.runtime.patch import enabled
+
+    if mode in ("own", "bound"):
+        with state_work_removed(model) if mode == "bound" else contextlib.nullcontext():
+            decoder = GraphDecoder(model)
+            decoder.release_cache = mode == "bound"
+            out = decoder.generate(ids, new)
+    else:
+        art = artifact if mode == "sketch" else None
+        with enabled(model, art, mode, window=window, backend="triton") as rt:
+            if rt.backend != "triton":
+                raise SketchcalError(f"the triton backend cannot run this model in {mode} mode")
+            decoder = GraphDecoder(model)
+            out = decoder.generate(ids, new)
+    t = decoder.last_times
+    row = dict(prefill_s=t.prefill_s, ms_per_step=t.ms_per_step, capture_s=t.capture_s)
+    return row, out
+
+
+def run_e2e(
+    model_name: str,
+    batches: list[int],
+    *,
+    prompt: int = 1024,
+    new: int = 256,
+    rank: float = 8.0,
+    window: int = 16,
+    modes: tuple[str, ...] = MODES,
+    layers: int | None = None,
+    progress: bool = True,
+) -> dict:
+    """Decode throughput of ``model_name`` at each batch size in each mode (see the module docstring)."""
+    from sketchcal.ui import progress_bar
+
+    if not torch.cuda.is_available():
+        raise SketchcalError("sketchcal bench --e2e needs a CUDA device and none is visible to torch")
+    if unknown := set(modes) - set(MODES):
+        raise SketchcalError(f"unknown modes {sorted(unknown)}; choose among {', '.join(MODES)}")
+    if new < 2 * window + 1:
+        raise SketchcalError(f"--new-tokens must be at least {2 * window + 1} (two windows and a step)")
+    model, artifact = load_bench_model(model_name, layers=layers)
+    if artifact is None:
+        artifact = random_artifact(model, rank, window)
+    else:
+        window = int(artifact.config.get("window", window))
+    from sketchcal.models import describe
+
+    spec = describe(model)
+    vocab = model.config.get_text_config().vocab_size
+    result = dict(
+        model=model_name,
+        family=spec.family,
+        recurrent_layers=len(spec.layers),
+        layers=model.config.get_text_config().num_hidden_layers,
+        params=sum(p.numel() for p in model.parameters()),
+        dtype=str(next(model.parameters()).dtype),
+        prompt=prompt,
+        new=new,
+        window=window,
+        mean_rank=float(torch.cat([lay.ranks.float() for lay in artifact.layers]).mean()),
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        rows=[],
+    )
+    with torch.no_grad(), progress_bar(enabled=progress) as bar:
+        task = bar.add_task("e2e", total=len(batches) * len(modes))
+        for batch in batches:
+            ids = torch.randint(3, vocab, (batch, prompt), generator=torch.Generator().manual_seed(batch))
+            ids = ids.cuda()
+            tokens: dict[str, torch.Tensor] = {}
+            for mode in modes:
+                bar.update(task, description=f"batch {batch}: {mode}")
+                _peak_reset()
+                try:
+                    if mode == "generate":
+                        row, out = _generate_row(model, ids, new)
+                    else:
+                        row, out = _graph_row(model, ids, new, mode, artifact, window)
+                    row.update(peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+                    tokens[mode] = out[:, prompt:].cpu()
+                except torch.OutOfMemoryError:
+                    row = dict(error="out of GPU memory")
+                except SketchcalError as err:
+                    row = dict(error=str(err))
+                row.update(batch=batch, mode=mode)
+                if "ms_per_step" in row:
+                    row["tokens_per_s"] = batch / (row["ms_per_step"] / 1e3)
+                result["rows"].append(row)
+                bar.console.log(_row_line(row))
+                bar.advance(task)
+            ref = tokens.get("standard")
+            for row in result["rows"]:
+                if row["batch"] == batch and ref is not None and row["mode"] in tokens:
+                    row["same_tokens_as_standard"] = float((tokens[row["mode"]] == ref).float().mean())
+    _summarise(result)
+    return result
+
+
+def _row_line(row: dict) -> str:
+    """One row as a log line (printed as soon as it is measured)."""
+    if "error" in row:
+        return f"batch {row['batch']} {row['mode']}: {row['error']}"
+    return (
+        f"batch {row['batch']} {row['mode']}: prefill {row['prefill_s']:.2f} s, "
+        f"{row['ms_per_step']:.2f} ms/step, "
+        f"{row['tokens_per_s']:,.0f} tokens/s, peak {row['peak_gib']:.1f} GiB"
+    )
+
+
+def _summarise(result: dict) -> None:
+    """Per batch: each mode's speed-up over ``generate`` and ``own``, and the sketch's share of the
+    Amdahl-bound gain (over ``standard``)."""
+    by = {(r["batch"], r["mode"]): r for r in result["rows"] if "ms_per_step" in r}
+    summary = []
+    for batch in sorted({b for b, _ in by}):
+        step = {m: by[(batch, m)]["ms_per_step"] for (b, m) in by if b == batch}
+        line: dict = {"batch": batch}
+        for base in ("generate", "own", "standard"):
+            if base in step:
+                line[f"vs_{base}"] = {m: step[base] / ms for m, ms in step.items()}
+        if {"standard", "sketch", "bound"} <= step.keys() and step["standard"] > step["bound"]:
+            line["sketch_share_of_bound_gain"] = (step["standard"] - step["sketch"]) / (
+                step["standard"] - step["bound"]
+            )
+        summary.append(line)
+    result["summary"] = summary
+
+
+def print_e2e(result: dict, console=None) -> None:
+    """A rich table of :func:`run_e2e`'s rows."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    table = Table(
+        title=f"{result['model']} ({result['family']}, {result['recurrent_layers']} recurrent of "
+        f"{result['layers']} layers, {result['dtype']}) · prompt {result['prompt']} · {result['new']} new · "
+        f"L={result['window']} · mean rank {result['mean_rank']:.1f} · {result['device']}"
+    )
+    for col in (
+        "batch",
+        "mode",
+        "prefill s",
+        "ms/step",
+        "tokens/s",
+        "× generate",
+        "× own",
+        "peak GiB",
+        "= std",
+    ):
+        table.add_column(col, justify="left" if col == "mode" else "right")
+    summary = {s["batch"]: s for s in result["summary"]}
+    for r in result["rows"]:
+        if "error" in r:
+            table.add_row(str(r["batch"]), r["mode"], r["error"], *[""] * 6)
+            continue
+        s = summary.get(r["batch"], {})
+        table.add_row(
+            str(r["batch"]),
+            r["mode"],
+            f"{r['prefill_s']:.2f}",
+            f"{r['ms_per_step']:.2f}",
+            f"{r['tokens_per_s']:,.0f}",
+            f"{s.get('vs_generate', {}).get(r['mode'], float('nan')):.2f}",
+            f"{s.get('vs_own', {}).get(r['mode'], float('nan')):.2f}",
+            f"{r['peak_gib']:.1f}",
+            f"{r.get('same_tokens_as_standard', float('nan')):.1%}",
+        )
+    console.print(table)
+    for s in result["summary"]:
+        share = s.get("sketch_share_of_bound_gain")
+        if share is not None:
+            console.print(
+                f"batch {s['batch']}: the sketch gets {share:.0%} of the Amdahl-bound gain over standard"
+            )

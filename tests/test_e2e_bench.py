@@ -1,0 +1,90 @@
+"""The pieces of ``sketchcal bench --e2e`` that run without a GPU: the random bench sketch feeds the
+runtime, the Amdahl-bound step removes the recurrent work (and only it), the summary's ratios, the
+CLI's refusals. The timings themselves need CUDA (BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from test_runtime_triton import DEVICE, L, P, generate, ids_for, rel_max, tiny_model
+
+from sketchcal.cli import main
+from sketchcal.models import describe
+from sketchcal.runtime.e2e_bench import _summarise, random_artifact, state_work_removed
+from sketchcal.runtime.graph_decode import GraphDecoder
+
+
+@pytest.mark.parametrize("fam", ["gdn", "mamba2", "kda"])
+def test_random_sketch_runs_sketch_mode(fam):
+    model, spec = tiny_model(fam)
+    art = random_artifact(model, rank=4, window=L)
+    assert [lay.layer for lay in art.layers] == [s.layer for s in spec.layers]
+    for lay, s in zip(art.layers, spec.layers, strict=True):
+        assert lay.frame.shape == (s.groups, s.key_dim, s.key_dim)
+        eye = torch.eye(s.key_dim).expand(s.groups, -1, -1)
+        assert torch.allclose(lay.frame.transpose(-1, -2) @ lay.frame, eye, atol=1e-5)
+        assert 0 < lay.ranks.float().mean() <= s.key_dim
+    prompt = ids_for(model, 2, P, 5)
+    out, states = generate(model, prompt, L + 2, art, "sketch", window=L, backend="reference")
+    assert out.sequences.shape == (2, P + L + 2)
+    assert all(st.mode == "sketch" and st.flushes == 1 for st in states.values())
+
+
+@pytest.mark.parametrize("fam", ["gdn", "mamba2"])
+def test_bound_step_removes_only_the_recurrent_work(fam):
+    """Under ``state_work_removed`` the mixers' decode outputs are zero (pre-gate) while prefill and
+    the rest of the model run as before: logits of a prefill are unchanged, decoded ones differ."""
+    model, spec = tiny_model(fam)
+    ids = ids_for(model, 2, P, 6)
+    outs: dict[int, torch.Tensor] = {}
+    hooks = [
+        m.register_forward_hook(lambda mod, a, o: outs.__setitem__(mod.layer_idx, o))
+        for m in spec.mixers(model)
+    ]
+    try:
+        with torch.no_grad():
+            want = model(ids).logits
+            with state_work_removed(model):
+                got = model(ids).logits
+                decoded = GraphDecoder(model, graphs=False)
+                decoded.release_cache = True
+                decoded.generate(ids, 3)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert rel_max(got, want) == 0.0
+    layer = spec.layers[0].layer
+    if fam != "mamba2":  # the gated norm keeps zeros zero; Mamba-2's out_proj sees norm(0)·gate
+        assert float(outs[layer].abs().max()) == 0.0
+    assert describe(model).family == fam
+
+
+def test_summary_ratios_and_bound_share():
+    steps = {"generate": 100.0, "own": 30.0, "standard": 30.0, "sketch": 20.0, "bound": 17.5}
+    rows = [dict(batch=4, mode=m, ms_per_step=ms) for m, ms in steps.items()]
+    result = {"rows": rows}
+    _summarise(result)
+    (s,) = result["summary"]
+    assert s["vs_generate"]["sketch"] == pytest.approx(5.0)
+    assert s["vs_own"]["standard"] == pytest.approx(1.0)
+    assert s["sketch_share_of_bound_gain"] == pytest.approx(10.0 / 12.5)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="checks the refusal without a GPU")
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["qwen3.5-4b", "--e2e", "--batch", "2"], "CUDA device"),
+        (["--batch", "64,x"], "--batch"),
+        (["qwen3.5-4b"], "--e2e"),
+        (["--e2e"], "MODEL"),
+    ],
+)
+def test_bench_refusals_are_one_line(monkeypatch, capsys, args, says):
+    monkeypatch.setattr(sys, "argv", ["sketchcal", "bench", *args])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and says in err and len(err.strip().splitlines()) == 1
