@@ -11,12 +11,12 @@ imports it before any command runs.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import os
 import types
 import typing
-import dataclasses
 from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -142,7 +142,9 @@ class CalibrateSettings(CommandSettings):
     data: str | None = option(
         None, "builtin (default), a .txt/.jsonl/.parquet file or folder, or a dataset id"
     )
-    samples: int | None = option(None, f"Calibration samples (default {SAMPLES_CPU} on the CPU, {SAMPLES_GPU} on a GPU)")
+    samples: int | None = option(
+        None, f"Calibration samples (default {SAMPLES_CPU} on the CPU, {SAMPLES_GPU} on a GPU)"
+    )
     seq_len: int = option(512, "Tokens per sample")
     gen_tokens: int = option(0, "Tokens to generate after each sample (0: teacher-forced)")
     prompt_len: int | None = option(
@@ -173,7 +175,9 @@ class CalibrateSettings(CommandSettings):
     def check(self) -> None:
         if self.window < 2:
             raise SketchcalError(f"--window must be at least 2 (got {self.window})")
-        _positive(self, "seq_len", "batch_size", "save_every", *(("samples",) if self.samples is not None else ()))
+        _positive(
+            self, "seq_len", "batch_size", "save_every", *(("samples",) if self.samples is not None else ())
+        )
         if self.gen_tokens < 0 or self.heldout_windows < 0 or (self.heldout_samples or 0) < 0:
             raise SketchcalError("--gen-tokens, --heldout-samples and --heldout-windows must not be negative")
         if self.gen_tokens == 0 and self.prompt_len is not None and not 0 <= self.prompt_len < self.seq_len:

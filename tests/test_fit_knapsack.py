@@ -80,6 +80,7 @@ def _fit(layer: int, heads: int, k: int, rng: random.Random) -> LayerFit:
         errs = sorted((rng.random() for _ in ranks[1:]), reverse=True)
         pred[h, 1:] = torch.tensor(errs, dtype=torch.float64)
     z = torch.zeros(heads, dtype=torch.float64)
+    scale = torch.tensor([0.5 + rng.random() for _ in range(heads)], dtype=torch.float64)
     return LayerFit(
         layer=layer,
         heads=heads,
@@ -97,6 +98,7 @@ def _fit(layer: int, heads: int, k: int, rng: random.Random) -> LayerFit:
         heldout_predicted=None,
         measured=None,
         read_energy=z,
+        kl_scale=scale,
     )
 
 
@@ -108,10 +110,10 @@ def test_allocation_by_mean_rank_matches_exhaustive():
         alloc = allocate(fits, traffic, rank=m)
         assert alloc.mean_rank <= m + 1e-9
         costs = [[r or 16 for r in f.ranks] for f in fits for _ in range(f.heads)]
-        values = [f.predicted[h].tolist() for f in fits for h in range(f.heads)]
+        values = [(f.kl_scale[h] * f.predicted[h]).tolist() for f in fits for h in range(f.heads)]
         ref = exhaustive(costs, values, int(m * 4))
-        assert alloc.predicted_error == pytest.approx(ref[0] / 4)
-    assert allocate(fits, traffic, rank=16).predicted_error == 0.0  # everything dense
+        assert alloc.predicted_kl == pytest.approx(ref[0])
+    assert allocate(fits, traffic, rank=16).predicted_kl == 0.0  # everything dense
 
 
 def test_allocation_by_bytes_matches_exhaustive():
@@ -124,9 +126,9 @@ def test_allocation_by_bytes_matches_exhaustive():
         alloc = allocate(fits, traffic, bytes_per_token=budget)
         assert alloc.bytes_per_token <= budget + 1e-9
         costs = [[tm.window_bytes(r) for r in fits[0].ranks]] * 3
-        values = [fits[0].predicted[h].tolist() for h in range(3)]
+        values = [(fits[0].kl_scale[h] * fits[0].predicted[h]).tolist() for h in range(3)]
         ref = exhaustive(costs, values, int(budget * 16))
-        assert alloc.predicted_error == pytest.approx(ref[0] / 3)
+        assert alloc.predicted_kl == pytest.approx(ref[0])
 
 
 @pytest.mark.parametrize(

@@ -263,9 +263,7 @@ def fit_sketch(
             fits = fit_all(
                 stats, basis=basis, coef=coef, shrinkage=meth, seed=seed, on_layer=lambda _: bar.advance(task)
             )
-            alloc = allocate(
-                fits, traffic, rank=rank, bytes_per_token=bytes_per_token, allocation=allocation
-            )
+            alloc = allocate(fits, traffic, rank=rank, bytes_per_token=bytes_per_token, allocation=allocation)
             score = alloc.heldout_score
             scores[meth] = score
             if best is None or (score is not None and (best[3] is None or score < best[3])):

@@ -66,6 +66,8 @@ def output_weights(
         for o in cap.outputs[layer]:
             g = grads[i]
             i += 1
-            parts.append(o.new_zeros(o.shape[:3], dtype=torch.float64) if g is None else g.double().square().sum(-1))
+            parts.append(
+                o.new_zeros(o.shape[:3], dtype=torch.float64) if g is None else g.double().square().sum(-1)
+            )
         out[layer] = torch.cat(parts, dim=1) * weight.to(parts[0].device)
     return out

@@ -96,7 +96,9 @@ class LayerStats:
     ) -> None:
         ck_mask = read_valid.any(-1).to(s_c.dtype)  # a checkpoint counts if a read follows it
         s = self.sums
-        s["E"] += torch.einsum("bjhkv,bjhlv,bj->hkl", s_c, s_c, ck_mask)
+        # two-operand einsums only: torch contracts three operands left to right, through the
+        # [.., K, K] outer product of every read (hundreds of times slower)
+        s["E"] += torch.einsum("bjhkv,bjhlv->hkl", s_c * ck_mask[..., None, None, None], s_c)
         col2 = (s_c * s_c).sum(-2)  # [B, nd, H, V]
         s["E_col4"] += torch.einsum("bjhv,bj->h", col2 * col2, ck_mask)
         s["n_checkpoints"] += ck_mask.sum().long()
@@ -104,8 +106,8 @@ class LayerStats:
         u = effective_queries(family, reads)  # [B, nd, L-1, H, K]
         r_mask = read_valid.to(u.dtype)
         g = gamma * r_mask[..., None]  # [B, nd, L-1, H]
-        s["C"] += torch.einsum("bjphk,bjphl,bjp->hkl", u, u, r_mask)
-        s["C_fisher"] += torch.einsum("bjphk,bjphl,bjph->hkl", u, u, g)
+        s["C"] += torch.einsum("bjphk,bjphl->hkl", u * r_mask[..., None, None], u)
+        s["C_fisher"] += torch.einsum("bjphk,bjphl->hkl", u * g[..., None], u)
         u2 = (u * u).sum(-1)
         s["C_col4"] += torch.einsum("bjph,bjp->h", u2 * u2, r_mask)
         o = torch.einsum("bjhkv,bjphk->bjphv", s_c, u)

@@ -19,9 +19,6 @@ from sketchcal.fit.ranks import candidate_ranks
 from sketchcal.formats.stats import Stats, load_stats
 
 
-_EXPERIMENT: dict = {}
-
-
 def _score(fit: LayerFit, source: str, m: int) -> list[float]:
     curves = fit.measured if source == "measured" else fit.heldout_predicted
     if curves is None:
@@ -48,7 +45,6 @@ def fit_all(
     (moments and held-out windows are read, fitted and dropped). ``on_layer(layer)`` is called after
     each layer (progress)."""
     gen = torch.Generator().manual_seed(seed)
-    decode_tokens = int((stats.manifest.get("tokens") or {}).get("calib", {}).get("decode", 0)) or None
     out = []
     for li in stats.layers:
         heldout = stats.moments(li.layer, "heldout")
@@ -62,8 +58,7 @@ def fit_all(
                 coef=coef,
                 shrinkage=shrinkage,
                 generator=gen,
-                decode_tokens=decode_tokens,
-                **_EXPERIMENT,
+                decode_tokens=stats.decoded_tokens("calib"),
             )
         )
         if on_layer is not None:

@@ -90,8 +90,6 @@ def fit_layer(
     shrinkage: str = "ledoit_wolf",
     generator: torch.Generator | None = None,
     decode_tokens: int | None = None,
-    query: str = "fisher",
-    pool: str = "output",
 ) -> LayerFit:
     """Fit the frames of one layer and compute its error curves.
 
@@ -106,8 +104,8 @@ def fit_layer(
             ``"projection"`` (orthogonal projection, the E = I ablation of the map).
         shrinkage: ``"ledoit_wolf"``, ``"oas"`` or ``"none"`` for E.
         generator: randomness of the ``"random"`` basis.
-        decode_tokens: decoded tokens of the calibration split (the KL scale's n; default: the
-            number of reads).
+        decode_tokens: decoded tokens of the calibration split, n in ``kl_scale`` (default: the
+            number of non-flush reads, which undercounts by the flush reads).
     """
     if coef not in COEF_KINDS:
         raise ValueError(f"unknown coefficient map {coef!r}; choose one of {', '.join(COEF_KINDS)}")
@@ -122,12 +120,11 @@ def fit_layer(
         e_map[h], s_coef[h] = shrink(
             calib.E[h], float(calib.E_col4[h]), calib.n_checkpoints, v_dim, shrinkage
         )
-    c_mean = calib.C_fisher_mean if query == "fisher" else calib.C_mean
-    n_tokens = decode_tokens or max(calib.n_reads, 1)
-    kl_scale = calib.fisher / (2.0 * v_dim * n_tokens)
+    c_mean = calib.C_fisher_mean
+    kl_scale = calib.fisher / (2.0 * v_dim * (decode_tokens or max(calib.n_reads, 1)))
     hpg = heads // groups
     grouped = (groups, hpg, k, k)
-    votes = kl_scale.reshape(groups, hpg) if pool == "output" else None
+    votes = kl_scale.reshape(groups, hpg)  # a group's heads pooled by their share of the KL
     b, eigvals = group_bases(e_map.reshape(grouped), c_mean.reshape(grouped), basis, generator, votes)
     frames = nested_frame(b)
     ranks = candidate_ranks(k)
@@ -154,7 +151,7 @@ def fit_layer(
     use_heldout = heldout is not None and not heldout.empty
     if use_heldout:
         fit.heldout_predicted = torch.zeros(heads, len(ranks), dtype=torch.float64)
-        e_ho, c_ho = heldout.E_mean, (heldout.C_fisher_mean if query == "fisher" else heldout.C_mean)
+        e_ho, c_ho = heldout.E_mean, heldout.C_fisher_mean
     if windows is not None:
         fit.measured = torch.zeros(heads, len(ranks), dtype=torch.float64)
     for h in range(heads):
@@ -168,12 +165,6 @@ def fit_layer(
             fit.heldout_predicted[h] = predicted_curve(frame, maps, e_ho[h], c_ho[h], ranks)
         if windows is not None:
             fit.measured[h] = measured_curve(
-                frame,
-                maps,
-                windows.S[:, h],
-                windows.u[:, :, h],
-                windows.mask,
-                ranks,
-                windows.gamma[:, :, h] if query == "fisher" else None,
+                frame, maps, windows.S[:, h], windows.u[:, :, h], windows.mask, ranks, windows.gamma[:, :, h]
             )
     return fit

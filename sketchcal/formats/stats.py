@@ -310,6 +310,11 @@ class Stats:
     def model_id(self) -> str | None:
         return self.model.get("id")
 
+    def decoded_tokens(self, split: str) -> int | None:
+        """Decoded (non-prompt) tokens of ``split`` in the manifest's counts; None when absent."""
+        n = ((self.manifest.get("tokens") or {}).get(split) or {}).get("decode")
+        return int(n) if n else None
+
     def info(self, layer: int) -> LayerInfo:
         for li in self.layers:
             if li.layer == layer:
