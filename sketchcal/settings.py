@@ -274,11 +274,11 @@ class VerifySettings(CommandSettings):
     model_dir: str = option(help="Directory written by sketchcal convert, or a Hub id", argument=True)
     baseline: str | None = option(None, "Full-state model (default: the weights in DIR, else its base)")
     data: str | None = option(None, "Held-out text source (default: the built-in corpus)")
-    tokens: int = option(128, "Teacher-forced decode tokens per sample")
+    tokens: int = option(512, "Teacher-forced decode tokens per sample (at least calibration's --seq-len)")
     rank: tuple[float, ...] = option(
         (), "Mean-rank budgets to sweep (repeat the option)", cli_type=list[float] | None
     )
-    prompt: int = option(32, "Prompt tokens prefilled before decoding")
+    prompt: int = option(16, "Prompt tokens prefilled before decoding")
     samples: int = option(16, "Held-out samples")
     batch_size: int = option(8, "Samples per batch")
     read_dtype: str | None = option(None, "Read copy / sketch precision: fp32, bf16, fp16, fp8")
@@ -288,6 +288,7 @@ class VerifySettings(CommandSettings):
     retrieval: bool = option(True, "Run the associative-recall test")
     plots: bool = option(True, "Write the PNG plots")
     device: str = option("auto", "auto, cpu, cuda")
+    dtype: str = option("float32", "Compute dtype of every row: float32 (default), bfloat16, float16, auto")
     seed: int = option(0, "Seed for sample selection")
     text_field: str = option("text", "Text field of .jsonl/.parquet/dataset rows")
     data_revision: str | None = option(None, "Dataset revision")

@@ -115,7 +115,7 @@ def markdown(result: VerifyResult, plots: dict[str, str]) -> str:
         f"- base model `{result.base_model}`, weights from `{Path(result.model_id).name}`",
         f"- family **{result.family}**, window L = {result.window}; {result.samples} held-out samples from "
         f"`{result.data.get('source')}`, {result.prompt} prefill tokens then {result.tokens} teacher-forced "
-        "decode steps each",
+        f"decode steps each; computed in {result.dtype}",
         f"- sketch: mean rank {_num(main.mean_rank, '.2f')}, basis `{main.basis}`, read dtype "
         f"`{main.read_dtype}`; traffic {t['bytes_per_token']:.0f} B/token vs "
         f"{t['standard_bytes_per_token']:.0f} standard ({_pct(t['reduction_vs_standard'])} saved) and "

@@ -28,6 +28,7 @@ from torch import nn
 from sketchcal.artifact.convert import fit_sketch, sketch_section, traffic_models
 from sketchcal.artifact.sketch import SketchArtifact, read_sketch
 from sketchcal.errors import SketchcalError
+from sketchcal.fit.ranks import SUPPORTED_RANKS
 from sketchcal.formats.stats import Stats, load_stats
 from sketchcal.fsutil import finite_json
 from sketchcal.models import ModelSpec
@@ -93,6 +94,7 @@ class VerifyResult:
     prompt: int
     tokens: int
     samples: int
+    dtype: str  # the compute dtype of every row
     data: dict[str, Any]
     retrieval: dict[str, Any] | None
     configs: list[ConfigResult]
@@ -121,7 +123,7 @@ def _has_weights(d: Path) -> bool:
     return any(d.glob("*.safetensors")) or (d / "model.safetensors.index.json").is_file()
 
 
-def _load(model_dir: Path, baseline: str | None, device: str):
+def _load(model_dir: Path, baseline: str | None, device: str, dtype: str):
     """The model to run (its weights) and the sketch; the sketch's fingerprint must match the model."""
     from sketchcal.models.loading import load_model
 
@@ -137,7 +139,7 @@ def _load(model_dir: Path, baseline: str | None, device: str):
                 f"{model_dir} holds no weights and names no base model; "
                 "pass the full-state model (--baseline)"
             )
-    loaded = load_model(source, device=device)
+    loaded = load_model(source, device=device, dtype=dtype)
     read_sketch(model_dir, config=loaded.model.config)  # fingerprint check against the loaded model
     return loaded, art
 
@@ -172,11 +174,12 @@ class Refits:
         self.traffic = traffic_models(
             stats.family, stats.layers, stats.window, self.read_dtype, self.buffer_dtype
         )
-        self._done: dict[tuple[str, float], SketchArtifact] = {}
+        self._done: dict[tuple[str, float, str], SketchArtifact] = {}
 
-    def __call__(self, rank: float, basis: str) -> SketchArtifact:
-        """The sketch fitted at mean rank ``rank`` with ``basis``."""
-        if (basis, rank) not in self._done:
+    def __call__(self, rank: float, basis: str, allocation: str = "output") -> SketchArtifact:
+        """The sketch fitted at mean rank ``rank`` with ``basis`` and ``allocation``."""
+        key = (basis, rank, allocation)
+        if key not in self._done:
             coef = self.art.config.get("coef", "state")
             fit = fit_sketch(
                 self.stats,
@@ -185,6 +188,7 @@ class Refits:
                 basis=basis,
                 coef=coef,
                 shrinkage=self.shrinkage,
+                allocation=allocation,
                 progress=False,
             )
             base = self.art.config.get("base_model") or {}
@@ -200,10 +204,10 @@ class Refits:
                 weights="reference",
             )
             # no file behind it: the metadata holds what the runtime checks, the fingerprint
-            self._done[(basis, rank)] = SketchArtifact(
+            self._done[key] = SketchArtifact(
                 config=section, metadata={"fingerprint": self.stats.fingerprint}, layers=fit.layers
             )
-        return self._done[(basis, rank)]
+        return self._done[key]
 
 
 def _budget(art: SketchArtifact) -> float | None:
@@ -286,6 +290,18 @@ def _configs(
     ]
     if ablations:
         if refits is not None and budget is not None:
+            if budget in SUPPORTED_RANKS:  # every head at the budget's rank: the same mean rank
+                cfgs.append(
+                    RunConfig(
+                        "sketch · uniform ranks",
+                        "sketch",
+                        "ablation",
+                        refits(budget, basis, "uniform"),
+                        read_dtype,
+                        basis=basis,
+                        budget=budget,
+                    )
+                )
             for alt in ("pca", "random"):
                 if alt != basis:
                     cfgs.append(
@@ -369,7 +385,7 @@ def run_verify(settings: VerifySettings) -> VerifyResult:
             "--rank re-fits the sketch from its calibration statistics, which were not found; "
             "pass the statistics directory (stats=DIR / --stats DIR)"
         )
-    loaded, art = _load(model_dir, s.baseline, s.device)
+    loaded, art = _load(model_dir, s.baseline, s.device, s.dtype)
     spec, model, dev = loaded.spec, loaded.model, loaded.device
     window = int(art.config.get("window", art.metadata.get("window", 16)))
     traffic_cfg = art.config.get("traffic", {})
@@ -465,6 +481,7 @@ def run_verify(settings: VerifySettings) -> VerifyResult:
         prompt=prompt,
         tokens=tokens,
         samples=len(held),
+        dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
         data=sample_set.info,
         retrieval=None
         if recall is None
