@@ -84,7 +84,8 @@ def test_resumed_run_equals_uninterrupted(tmp_path, monkeypatch):
     assert not (part / "manifest.json").exists() and (part / "_progress" / "state.json").exists()
     with pytest.raises(SketchcalError, match="not empty"):
         sketchcal.calibrate(out=part, save_every=1, **SMALL)
-    with pytest.raises(SketchcalError, match="other settings"):
+    differs = "other arguments: --prompt-len 32 → 24; --seq-len 64 → 48; rerun"
+    with pytest.raises(SketchcalError, match=differs):
         sketchcal.calibrate(out=part, save_every=1, resume=True, **{**SMALL, "seq_len": 48})
     monkeypatch.setattr(run_module._Runner, "process", real)
     sketchcal.calibrate(out=part, save_every=1, resume=True, **SMALL)

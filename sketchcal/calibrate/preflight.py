@@ -60,9 +60,15 @@ def resume_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         if old.get(key) != new.get(key):
             diffs.append(f"{label} {_show(old.get(key))} → {_show(new.get(key))}")
     old_d, new_d = old.get("data") or {}, new.get("data") or {}
-    for key in sorted(set(old_d) | set(new_d)):
-        if old_d.get(key) != new_d.get(key):
-            diffs.append(f"data {key} {_show(old_d.get(key))} → {_show(new_d.get(key))}")
+    if old_d != new_d:
+        # the rest of the data record (sample counts, tokens) follows from the settings above
+        for key in ("source", "text_field", "revision"):
+            if old_d.get(key) != new_d.get(key):
+                diffs.append(f"data {key} {_show(old_d.get(key))} → {_show(new_d.get(key))}")
+        if old_d.get("sha256") != new_d.get("sha256"):
+            diffs.append("data content (the documents' sha256 changed)")
+        if not diffs:
+            diffs.append("the data samples drawn")
     return diffs
 
 
