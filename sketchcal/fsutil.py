@@ -135,6 +135,7 @@ def check_writable(path: str | os.PathLike, need_bytes: int, what: str, option: 
     base = _existing_ancestor(Path(path))
     if not base.is_dir():
         raise SketchcalError(f"{base} is not a directory; choose another {option}")
+    remove_stale_temporaries(base)
     with disk_errors(what):
         fd, probe = tempfile.mkstemp(prefix=f".probe.{_owner_tag()}.", suffix=".tmp", dir=base)
         os.close(fd)

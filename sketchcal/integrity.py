@@ -86,3 +86,28 @@ def check_files(root: str | os.PathLike, recorded: dict[str, str], what: str) ->
 def short(digest: str | None) -> str:
     """A digest shortened for messages: ``sha256:0123456789ab…``."""
     return "none" if digest is None else digest[:19] + "…"
+
+
+def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
+    """``safetensors.torch.save_file`` with the header's metadata in sorted order.
+
+    The writer keeps the metadata in a hash map, so its order (and the file's sha256) would change
+    from one process to the next; the same tensors and metadata must give the same bytes.
+    """
+    import json
+    import struct
+
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    if not metadata:
+        return
+    with open(path, "r+b") as fh:
+        (size,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(size))
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) > size:  # never: the same keys and values in another order
+            raise RuntimeError(f"cannot reorder the safetensors header of {path}")
+        fh.seek(8)
+        fh.write(text + b" " * (size - len(text)))  # the format pads headers with spaces

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import save_file
 
 from sketchcal.artifact.card import model_card
 from sketchcal.artifact.fingerprint import config_fingerprint, load_config
@@ -56,7 +55,7 @@ from sketchcal.fit.shrinkage import SHRINKAGE_METHODS
 from sketchcal.fit.traffic import TrafficModel, dtype_bytes
 from sketchcal.formats.stats import Stats, load_stats
 from sketchcal.fsutil import atomic_dir, check_writable, finite_json
-from sketchcal.integrity import file_digest, short, weights_fingerprint
+from sketchcal.integrity import file_digest, save_safetensors, short, weights_fingerprint
 from sketchcal.settings import ConvertSettings, api_signature
 
 if TYPE_CHECKING:
@@ -505,8 +504,5 @@ def _write_curves(path: Path, fits: list[LayerFit]) -> None:
             t[p + "measured"] = f.measured.to(torch.float32)
         t[p + "shrinkage"] = f.shrinkage.to(torch.float32)
         t[p + "eigvals"] = f.eigvals.to(torch.float32)
-    save_file(
-        {k: v.contiguous() for k, v in t.items()},
-        str(path),
-        metadata={"format": "sketchcal-curves", "version": "1"},
-    )
+    meta = {"format": "sketchcal-curves", "version": "1"}
+    save_safetensors({k: v.contiguous() for k, v in t.items()}, path, metadata=meta)

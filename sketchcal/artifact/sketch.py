@@ -29,12 +29,11 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor
 
 from sketchcal import __version__
 from sketchcal.errors import SketchcalError, first_line
-from sketchcal.integrity import check_files, short
+from sketchcal.integrity import check_files, save_safetensors, short
 
 SKETCH_FORMAT = "sketchcal-sketch"
 SKETCH_VERSION = 2
@@ -104,7 +103,7 @@ def write_sketch(
         "layers": ",".join(str(lay.layer) for lay in layers),
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path), metadata=meta)
+    save_safetensors(tensors, path, metadata=meta)
 
 
 def read_sketch(model_dir: str | Path, config=None) -> SketchArtifact:
