@@ -353,9 +353,10 @@ def sketch_section(
     base_id: str | None,
     base_revision: str | None,
     weights: str,
+    weights_fingerprint: str | None = None,
 ) -> dict[str, Any]:
     """The ``sketch_config`` section of config.json for ``fit`` (docs/sketch-format.md), without the
-    calibration provenance, which only a written artifact records."""
+    calibration provenance and the file hashes, which only a written artifact records."""
     alloc = fit.allocation
     summary = finite_json(
         {k: v for k, v in alloc.to_dict().items() if k not in ("layers", "notes", "budget")}
@@ -368,7 +369,12 @@ def sketch_section(
         "family": stats.family,
         "window": stats.window,
         "fingerprint": stats.fingerprint,
-        "base_model": {"id": base_id, "revision": base_revision, "weights": weights},
+        "base_model": {
+            "id": base_id,
+            "revision": base_revision,
+            "weights": weights,
+            "weights_fingerprint": weights_fingerprint,
+        },
         "basis": basis,
         "coef": coef,
         "shrinkage": {
@@ -415,6 +421,7 @@ def write_artifact(inputs: ConvertInputs, fit: SketchFit) -> ConvertResult:
         base_id=base.id,
         base_revision=base.revision,
         weights=inputs.weights,
+        weights_fingerprint=inputs.base_weights_fingerprint,
     )
     # Provenance: verify re-fits ablations and rank sweeps from these statistics.
     section["calibration"] = {"stats_dir": str(inputs.stats_dir.resolve())}
@@ -432,7 +439,6 @@ def write_artifact(inputs: ConvertInputs, fit: SketchFit) -> ConvertResult:
             inputs.builtin.tokenizer.save_pretrained(str(tmp))
             placed_mode = "saved"
         section["base_model"]["weights"] = placed_mode
-        section["base_model"]["weights_fingerprint"] = inputs.base_weights_fingerprint
         if inputs.weights == "saved":
             config = json.loads((tmp / "config.json").read_text())
         elif base.path is not None:

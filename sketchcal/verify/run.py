@@ -200,6 +200,7 @@ class Refits:
                 base_id=base.get("id"),
                 base_revision=base.get("revision"),
                 weights="reference",
+                weights_fingerprint=base.get("weights_fingerprint"),
             )
             # no file behind it: the metadata holds what the runtime checks, the fingerprint
             self._done[(basis, rank)] = SketchArtifact(
