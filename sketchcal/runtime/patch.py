@@ -333,7 +333,8 @@ class Runtime:
     def _inputs(self, kind: str, named: dict[str, Any]):
         if self.glue.family == "mamba2" and kind == "prefill":
             named = {**named, "dt_limit": (0.0, float("inf"))}  # decode steps: the one-token function's dt
-        return self.spec.adapter.inputs(kind, named)[0]
+        dtype = torch.float32 if self.backend == "triton" else torch.float64  # what the kernels take
+        return self.spec.adapter.inputs(kind, named, dtype)[0]
 
     def _own_prefill(
         self, impl: Callable, call: tuple[tuple, dict[str, Any]], named: dict[str, Any], n0: int, layer: int
