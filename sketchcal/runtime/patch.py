@@ -314,7 +314,10 @@ class Runtime:
         outs = [out0.float()]
         if n0 < n_tokens:
             outs.append(state.step(self._inputs("prefill", rest)).float())
-        ckpt_hf = glue.from_key_major(state.ckpt.state).float()
+        if self.mirror_cache:
+            ckpt_hf = glue.from_key_major(state.ckpt.state).float()
+        else:  # the pool is the only copy: the cache gets an empty placeholder, not a second state
+            ckpt_hf = s_hf.new_empty((*s_hf.shape[:-1], 0))
         return glue.prefill_result(named, torch.cat(outs, dim=1), ckpt_hf)
 
     def _resume(self, registry: dict[int, Any], layer: int, s_hf: Tensor, named) -> Any:
