@@ -60,15 +60,26 @@ def test_prefill_is_transformers_sdpa():
     assert torch.equal(ours, sdpa_attention_forward(_Module(2), q, k, v, None, scaling=0.5)[0])
 
 
+def _static_steps(model, ids, steps: int) -> torch.Tensor:
+    """Logits [B, 1 + steps, vocab]: the prompt's last position, then ``steps`` teacher-forced
+    one-token forwards over a ``StaticCache`` (the next prompt-like token ids)."""
+    cache = tf.StaticCache(config=model.config, max_cache_len=ids.shape[1] + steps)
+    prompt, follow = ids[:, :-steps], ids[:, -steps:]
+    logits = [model(prompt, past_key_values=cache, use_cache=True).logits[:, -1:]]
+    for t in range(steps):
+        logits.append(model(follow[:, t : t + 1], past_key_values=cache, use_cache=True).logits)
+    return torch.cat(logits, dim=1)
+
+
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "nemotron_h"])
 def test_model_decodes_through_it(model_type, monkeypatch):
-    """Greedy tokens of the graph decoder (eager here) equal the model's own SDPA decoding, every
-    one-token attention call goes through the grouped function, and the model is restored after."""
+    """One-token steps over a static cache: every attention call of a step goes through the grouped
+    function and the logits equal the model's own SDPA ones; the model is restored after."""
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(tiny_config(model_type)).eval()
-    ids = torch.randint(0, 2000, (3, 9))
+    ids = torch.randint(0, 2000, (3, 13))
     with torch.no_grad():
-        expected = model.generate(ids, max_new_tokens=5, do_sample=False, min_new_tokens=5)
+        expected = _static_steps(model, ids, 4)
     attention._register()
     calls = []
     registered = tf.AttentionInterface._global_mapping[attention.NAME]
@@ -78,10 +89,21 @@ def test_model_decodes_through_it(model_type, monkeypatch):
         return registered(module, query, *args, **kwargs)
 
     monkeypatch.setitem(tf.AttentionInterface._global_mapping, attention.NAME, counting)
-    out = GraphDecoder(model, graphs=False).generate(ids, 5)
-    assert torch.equal(out, expected)
-    assert 1 in calls and calls.count(1) == 4 * calls.count(9)  # four one-token steps per prefill call
-    assert model.config._attn_implementation == "sdpa"
+    with torch.no_grad(), decode_attention(model) as switched:
+        got = _static_steps(model, ids, 4)
+    assert switched and model.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert calls.count(1) == 4 * calls.count(9) > 0  # four one-token steps per prefill call
+
+
+def test_graph_decoder_decodes_through_it():
+    """The graph decoder's greedy tokens (eager here) are ``generate()``'s."""
+    torch.manual_seed(1)
+    model = tf.AutoModelForCausalLM.from_config(tiny_config("qwen3_5_text")).eval()
+    ids = torch.randint(0, 2000, (2, 9))
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=5, do_sample=False, min_new_tokens=5)
+    assert torch.equal(GraphDecoder(model, graphs=False).generate(ids, 5), expected)
 
 
 def test_other_implementations_left_alone():
