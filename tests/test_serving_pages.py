@@ -69,7 +69,8 @@ def kernel_layout(xs: list[StepInputs], t: int) -> StepInputs:
 def test_pages_decode_as_the_reference(fam, mode):
     gen = torch.Generator().manual_seed(0)
     tables = random_sketch(fam, RANKS, G, K, gen) if mode == "sketch" else None
-    plan = PagePlan(fam, H, G, K, V, L, torch.float32, torch.float32, 0 if tables is None else tables.map_rows)
+    rows = 0 if tables is None else tables.map_rows
+    plan = PagePlan(fam, H, G, K, V, L, torch.float32, torch.float32, rows)
     # vLLM's own states first: a conv state and the recurrent state, value-major [H, V, K] like Mamba-2's
     raw, views = pack_pages(((3, 8), (H, V, K), *plan.shapes), (torch.float32,) * 2 + plan.dtypes, BLOCKS)
     pool, cursor = plan.pool(views[1].transpose(-1, -2), views[2:])
@@ -95,8 +96,7 @@ def test_pages_decode_as_the_reference(fam, mode):
         order = live[::-1]  # rows in any order, with padding rows between them
         rows = [blocks[i] for i in order]
         batch = kernel_layout([xs[i].tokens(slice(step - starts[i], None)) for i in order], 0)
-        pad = 2
-        batch = batch.map(lambda t: torch.cat([t, t.new_zeros((pad, *t.shape[1:]))]))
+        batch = batch.map(lambda t: torch.cat([t, t.new_zeros((2, *t.shape[1:]))]))  # two padding rows
         ids = torch.tensor([*rows, NULL_BLOCK, NULL_BLOCK])
         out = decoder.step(pool, cursor, ids, batch)
         assert torch.equal(out[len(rows) :], torch.zeros_like(out[len(rows) :]))
@@ -142,7 +142,10 @@ def test_page_plan_layout():
     plan = PagePlan("kda", H, G, K, V, L, torch.bfloat16, torch.bfloat16, 8)
     names = [n for n, _, _ in plan.entries()]
     assert names == ["read", "sketch", "buf_k", "buf_w", "buf_decay", "buf_beta", "buf_logdecay", "cursor"]
-    want = (H * K * V + H * 8 * V) * 2 + L * (G * K + H * V) * 2 + L * H * K * 4 + L * H * 4 + L * H * K * 2 + 4
+    read_and_sketch = (H * K * V + H * 8 * V) * 2
+    # keys and values (bf16), decays and betas (fp32), log₂ decays (bf16)
+    buffers = L * (G * K + H * V) * 2 + L * H * K * 4 + L * H * 4 + L * H * K * 2
+    want = read_and_sketch + buffers + 4
     assert plan.extra_bytes() == want
     fp32 = PagePlan("mamba2", H, G, K, V, L, torch.float32, torch.float32, 0)
     assert [n for n, _, _ in fp32.entries()] == ["buf_k", "buf_w", "buf_decay", "cursor"]  # reads S_c itself
