@@ -18,6 +18,7 @@ References:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -249,3 +250,169 @@ def test_gdn_layer(gdn_dir, mode):
         window_reference(served, block, states[block], recorder)
     pool, cursor = served.pool()
     assert cursor[0] == 0 and not pool.buf_w[0].any()  # the null block was never written
+
+
+# ---- KDA ---------------------------------------------------------------------------------------
+
+
+def kda_gate(raw_g: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """transformers' Kimi-Linear forget gate on the layer's gate projection ``raw_g`` [1, T, H, D]:
+    its own module, with the projections before it taken out."""
+    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearForgetGate
+
+    h, d = raw_g.shape[-2:]
+    gate = KimiLinearForgetGate.__new__(KimiLinearForgetGate)
+    torch.nn.Module.__init__(gate)
+    gate.head_dim, gate.num_heads = d, h
+    gate.f_a_proj = gate.f_b_proj = torch.nn.Identity()
+    gate.dt_bias = torch.nn.Parameter(dt_bias.float().reshape(-1).clone(), requires_grad=False)
+    gate.A_log = torch.nn.Parameter(a_log.float().view(1, 1, h, 1).clone(), requires_grad=False)
+    return gate(raw_g.reshape(*raw_g.shape[:2], h * d))
+
+
+def kda_steps(q, k, v, g, beta, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' recurrent KDA (its torch function) from the key-major ``state`` [1, H, K, V]."""
+    from transformers.models.kimi_linear import modeling_kimi_linear as mkl
+
+    from sketchcal.models.capture import torch_reference
+
+    fn = torch_reference(mkl.recurrent_kimi_delta_attention)
+    return fn(q, k, v, g, beta, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+
+def chunked_prefill_stand_in(q, k, v, raw_g, raw_beta, A_log, g_bias, initial_state, cu_seqlens, **_):
+    """vLLM's chunked KDA prefill (Triton only: vLLM cannot run it on a CPU), written with
+    transformers' functions: per sequence, the gate and the recurrence from its initial state
+    [N, H, V, K] (vLLM's layout). Returns the outputs [1, T, H, V] and the final states; the
+    initial states are kept in ``STARTS``."""
+    STARTS.append(initial_state.clone())
+    outs, finals = [], []
+    bounds = cu_seqlens.tolist()
+    for i, (a, b) in enumerate(itertools.pairwise(bounds)):
+        g = kda_gate(raw_g[:, a:b], A_log, g_bias)
+        beta = raw_beta[:, a:b].float().sigmoid()
+        o, s = kda_steps(
+            q[:, a:b], k[:, a:b], v[:, a:b], g, beta, initial_state[i : i + 1].transpose(-1, -2).float()
+        )
+        outs.append(o)
+        finals.append(s.transpose(-1, -2))
+    return torch.cat(outs, 1), torch.cat(finals)
+
+
+STARTS: list[torch.Tensor] = []
+
+
+def gather_stand_in(
+    state: torch.Tensor, indices: torch.Tensor, has_initial_state: torch.Tensor
+) -> torch.Tensor:
+    """vLLM's ``gather_initial_states`` (a Triton kernel) in torch: the rows of ``state`` at
+    ``indices``, zero where a sequence has no initial state."""
+    rows = state[indices.long()]
+    return torch.where(has_initial_state.view(-1, *[1] * (rows.dim() - 1)), rows, 0)
+
+
+@pytest.fixture(scope="module")
+def kda_dir(tmp_path_factory) -> Path:
+    import json
+
+    out = model_dir(tmp_path_factory.mktemp("kda"), "kimi_linear", "KimiLinearForCausalLM")
+    cfg = json.loads((out / "config.json").read_text())
+    kinds = cfg["layer_types"]
+    # vLLM 0.32 reads Kimi-Linear's original config section (1-based layer numbers)
+    cfg["linear_attn_config"] = {
+        "kda_layers": [i + 1 for i, t in enumerate(kinds) if t == "linear_attention"],
+        "full_attn_layers": [i + 1 for i, t in enumerate(kinds) if t != "linear_attention"],
+        "head_dim": cfg["linear_head_dim"],
+        "num_heads": cfg["linear_num_heads"],
+        "short_conv_kernel_size": cfg["linear_conv_kernel_dim"],
+    }
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["replay", "sketch"])
+def test_kda_layer(kda_dir, mode, monkeypatch):
+    from vllm.forward_context import set_forward_context
+    from vllm.model_executor.layers.mamba.gdn import kimi_gdn_linear_attn
+    from vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn import KimiGatedDeltaNetAttention
+    from vllm.models.kimi_k3.nvidia.ops.third_party import kda as vllm_kda
+
+    use_served_layer("kda")
+    # vLLM's KDA prefill is Triton only: stand-ins in torch (transformers' functions) run it here
+    monkeypatch.setattr(vllm_kda, "chunk_kda_with_fused_gate", chunked_prefill_stand_in)
+    monkeypatch.setattr(kimi_gdn_linear_attn, "gather_initial_states", gather_stand_in)
+    prefix = "model.layers.0.self_attn"
+    cfg = engine_config(kda_dir, mode, "float32")
+    layer = build(KimiGatedDeltaNetAttention, cfg, prefix)
+    finish(layer, cfg)
+    assert layer.serving is not None and layer.serving.mode == mode
+    calls: list[dict[str, torch.Tensor]] = []
+    decode_call = layer.decode_call
+
+    def recording(kind, original, args, kwargs):
+        calls.append({n: t.clone() for n, t in kwargs.items() if isinstance(t, torch.Tensor)})
+        out = decode_call(kind, original, args, kwargs)
+        calls[-1]["out"] = out[0][0].clone()
+        return out
+
+    layer.decode_call = recording
+    recorder = Recorder()
+    recorder.attach(layer)
+    hidden_size = cfg.model_config.hf_config.hidden_size
+    gen = torch.Generator().manual_seed(2)
+
+    def forward(decodes: list[int], prefills: list[tuple[int, int]]) -> torch.Tensor:
+        n = len(decodes) + sum(t for _, t in prefills)
+        meta = gdn_metadata(decodes, prefills)
+        with current(cfg), set_forward_context({prefix: meta}, cfg), torch.inference_mode():
+            return layer(torch.randn(n, hidden_size, generator=gen), torch.zeros(n, dtype=torch.long))
+
+    STARTS.clear()
+    forward([], [(3, 5), (6, 7)])
+    pool, _ = layer.pool()
+    states = {b: pool.state[b].clone() for b in (3, 6)}
+    decoding, pad = [3, 6], [0]
+    for step in range(2 * WINDOW + 3):
+        if step == 3:  # a mixed batch: vLLM's chunked path continues 3 and 6 and prefills 5
+            forward(decoding, [(5, 4)])
+            folded = {b: layer.pool()[0].state[b].clone() for b in (3, 5, 6)}
+            decoding = [*decoding, 5]
+            continue
+        forward([*decoding, *pad], [])
+    pool, cursor = layer.pool()
+    assert cursor[0] == 0 and not pool.buf_w[0].any()  # the padding rows never touched the null block
+    if mode == "sketch":
+        for block in (3, 6):  # their windows up to the mixed batch, and from there on
+            window_reference(layer, block, states[block], _Before(recorder, 3))
+            window_reference(layer, block, folded[block], _After(recorder, 3))
+        window_reference(layer, 5, folded[5], _After(recorder, 3))
+        return
+    # replay: every decode step is transformers' standard KDA step; the state runs on through the
+    # mixed batch
+    h = layer.local_num_heads
+    for row, block in enumerate((3, 6)):
+        s = states[block][None].float()
+        rows = [(c, int(torch.nonzero(c["state_indices"] == block)[0, 0])) for c in calls
+                if (c["state_indices"] == block).any()]  # fmt: skip
+        assert len(rows) == 2 * WINDOW + 2
+        for i, (c, r) in enumerate(rows):
+            if i == 3:  # the mixed batch ran between the third and fourth decode call: vLLM's chunked
+                # path started from the exact state (the buffer folded into the checkpoint)
+                torch.testing.assert_close(STARTS[1][row].transpose(-1, -2)[None], s, rtol=1e-5, atol=1e-6)
+                s = folded[block][None].float()
+            q, k, v = c["mixed_qkv"][r : r + 1].split([h * layer.head_dim] * 3, dim=-1)
+            shape = (1, 1, h, layer.head_dim)
+            g = kda_gate(c["raw_g"][:, r : r + 1], c["A_log"], c["dt_bias"])
+            beta = c["raw_beta"][:, r : r + 1].float().sigmoid()
+            o, s = kda_steps(q.view(shape), k.view(shape), v.view(shape), g, beta, s)
+            torch.testing.assert_close(c["out"][r].float(), o[0, 0].float(), rtol=1e-4, atol=1e-5)
+
+
+class _Before(Recorder):
+    def __init__(self, rec: Recorder, calls: int):
+        super().__init__(rec.calls[:calls])
+
+
+class _After(Recorder):
+    def __init__(self, rec: Recorder, calls: int):
+        super().__init__(rec.calls[calls:])

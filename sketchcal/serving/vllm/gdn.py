@@ -25,7 +25,7 @@ from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedD
 
 from sketchcal.models.gdn import GdnAdapter
 from sketchcal.runtime.kernel_state import kernel_inputs
-from sketchcal.serving.vllm.intercept import active, install
+from sketchcal.serving.vllm.intercept import install
 from sketchcal.serving.vllm.layer import ServedLayer
 
 DECODE_MODULE = "vllm._custom_ops"
@@ -58,7 +58,7 @@ class SketchQwenGatedDeltaNet(ServedLayer, QwenGatedDeltaNetAttention):
     def forward(self, hidden_states: Tensor) -> Tensor:
         if self.serving is None:
             return super().forward(hidden_states)
-        with active(self):
+        with self.base_forward():
             out = super().forward(hidden_states)
         meta = get_forward_context().attn_metadata
         meta = meta.get(self.prefix) if isinstance(meta, dict) else None

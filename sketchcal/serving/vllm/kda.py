@@ -30,7 +30,7 @@ from vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn import KimiGatedD
 from sketchcal.errors import SketchcalError
 from sketchcal.models.kda import KdaAdapter
 from sketchcal.runtime.kernel_state import kernel_inputs
-from sketchcal.serving.vllm.intercept import active, install
+from sketchcal.serving.vllm.intercept import install
 from sketchcal.serving.vllm.layer import ServedLayer
 
 DECODE_MODULE = "vllm.models.kimi_k3.nvidia.ops.third_party.kda"
@@ -65,7 +65,7 @@ class SketchKimiDeltaAttention(ServedLayer, KimiGatedDeltaNetAttention):
         chunked = meta is not None and meta.num_prefills > 0
         if chunked:  # vLLM's chunked kernel continues the decode rows from their checkpoints
             self.settle(meta.non_spec_state_indices_tensor[: meta.num_decodes], buffered=True)
-        with active(self):
+        with self.base_forward():
             super()._forward(*args, **kwargs)
         if chunked:
             self.settle(

@@ -8,7 +8,8 @@ swaps the class by name). When the vLLM config being built serves a sketch
   declares, so vLLM's pages hold them;
 - runs its base forward with itself marked active, so the decode step it calls reaches
   :meth:`decode_call` (the family subclass turns the call's arguments into
-  :class:`~sketchcal.kernels.common.StepInputs` and runs :class:`WindowDecoder`);
+  :class:`~sketchcal.kernels.common.StepInputs` and runs :class:`WindowDecoder`), and with
+  ``kv_cache`` showing vLLM's own states only (:meth:`base_forward`: vLLM's code unpacks them);
 - settles the rows vLLM's own prefill path computed (:meth:`settle`): their cursors restart at 0
   and their read copy and sketch are written from the new checkpoint.
 
@@ -17,6 +18,8 @@ Otherwise every method is the base class's.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from torch import Tensor
@@ -101,10 +104,26 @@ class ServedLayer:
         """vLLM's recurrent state tensor [N, ...] seen key-major, [N, H, K, V] (family subclass)."""
         raise NotImplementedError
 
+    _pages: tuple | None = None
+
+    @contextlib.contextmanager
+    def base_forward(self) -> Iterator[None]:
+        """Run the base class's forward inside: this layer is the active caller of the intercepted
+        decode function, and ``kv_cache`` holds vLLM's own states only."""
+        from sketchcal.serving.vllm.intercept import active
+
+        pages = self.kv_cache  # type: ignore[attr-defined]
+        self._pages, self.kv_cache = pages, pages[: self.base_states]
+        try:
+            with active(self):
+                yield
+        finally:
+            self.kv_cache, self._pages = pages, None
+
     def pool(self) -> tuple[DecodePool, Tensor]:
         """The decode pool over block ids and the cursors, viewing this layer's bound pages."""
         assert self.plan is not None
-        states = self.kv_cache  # type: ignore[attr-defined]
+        states = self._pages if self._pages is not None else self.kv_cache  # type: ignore[attr-defined]
         return self.plan.pool(self.checkpoint_view(states[1]), states[self.base_states :])
 
     def settle(self, blocks: Tensor | None, *, buffered: bool) -> None:

@@ -22,7 +22,7 @@ from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
 
 from sketchcal.models.mamba2 import Mamba2Adapter
 from sketchcal.runtime.kernel_state import kernel_inputs
-from sketchcal.serving.vllm.intercept import active, install
+from sketchcal.serving.vllm.intercept import install
 from sketchcal.serving.vllm.layer import ServedLayer
 
 DECODE_MODULE = "vllm.model_executor.layers.mamba.mamba_mixer2"
@@ -52,7 +52,7 @@ class SketchMambaMixer2(ServedLayer, MambaMixer2):
     def conv_ssm_forward(self, projected_states: Tensor, output: Tensor) -> Any:
         if self.serving is None:
             return super().conv_ssm_forward(projected_states, output)
-        with active(self):
+        with self.base_forward():
             result = super().conv_ssm_forward(projected_states, output)
         meta = get_forward_context().attn_metadata
         meta = meta.get(self.prefix) if isinstance(meta, dict) else None
