@@ -280,6 +280,11 @@ def test_graph_decoder_refusals():
                 GraphDecoder(model, graphs=True)
         with pytest.raises(SketchcalError, match="max_new_tokens"):
             GraphDecoder(model, graphs=False).generate(ids_for(model, 1, 4, 0), 0)
+        ids = ids_for(model, 2, 4, 0)
+        padded = torch.ones_like(ids)
+        padded[0, 0] = 0
+        with pytest.raises(SketchcalError, match="without padding"):
+            GraphDecoder(model, graphs=False).generate(ids, 2, attention_mask=padded)
 
 
 # ---- speculative drafts: kernel states against reference states (no model) ----------------------
