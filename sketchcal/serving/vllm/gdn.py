@@ -16,16 +16,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
-from vllm.config import get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 
 from sketchcal.models.gdn import GdnAdapter
 from sketchcal.runtime.kernel_state import kernel_inputs
-from sketchcal.serving.vllm.intercept import install
 from sketchcal.serving.vllm.layer import ServedLayer
 
 DECODE_MODULE = "vllm._custom_ops"
@@ -37,19 +34,11 @@ _ADAPTER = GdnAdapter()
 class SketchQwenGatedDeltaNet(ServedLayer, QwenGatedDeltaNetAttention):
     """``QwenGatedDeltaNetAttention`` whose decode rows run sketchcal's replay or sketch step."""
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
+    decode_module, decode_function = DECODE_MODULE, DECODE_FUNCTION
+
+    def layer_dims(self) -> tuple[int, int, int, int]:
         tp = self.tp_size
-        shape = (self.num_v_heads // tp, self.num_k_heads // tp, self.head_k_dim, self.head_v_dim)
-        self.serve_setup(get_current_vllm_config(), self.prefix, shape)
-        if self.serving is not None:
-            install(DECODE_MODULE, DECODE_FUNCTION, "decode")
-
-    def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
-        return self.served_shapes(tuple(super().get_state_shape()))
-
-    def get_state_dtype(self) -> tuple[torch.dtype, ...]:
-        return self.served_dtypes(tuple(super().get_state_dtype()))
+        return (self.num_v_heads // tp, self.num_k_heads // tp, self.head_k_dim, self.head_v_dim)
 
     def checkpoint_view(self, state: Tensor) -> Tensor:
         n, h, v, k = state.shape

@@ -23,14 +23,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from vllm.config import get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn import KimiGatedDeltaNetAttention
 
 from sketchcal.errors import SketchcalError
 from sketchcal.models.kda import KdaAdapter
 from sketchcal.runtime.kernel_state import kernel_inputs
-from sketchcal.serving.vllm.intercept import install
 from sketchcal.serving.vllm.layer import ServedLayer
 
 DECODE_MODULE = "vllm.models.kimi_k3.nvidia.ops.third_party.kda"
@@ -41,18 +39,11 @@ _ADAPTER = KdaAdapter()
 class SketchKimiDeltaAttention(ServedLayer, KimiGatedDeltaNetAttention):
     """``KimiGatedDeltaNetAttention`` whose decode rows run sketchcal's replay or sketch step."""
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
+    decode_module, decode_function = DECODE_MODULE, DECODE_FUNCTION
+
+    def layer_dims(self) -> tuple[int, int, int, int]:
         h, d = self.local_num_heads, self.head_dim
-        self.serve_setup(get_current_vllm_config(), self.prefix, (h, h, d, d))
-        if self.serving is not None:
-            install(DECODE_MODULE, DECODE_FUNCTION, "decode")
-
-    def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
-        return self.served_shapes(tuple(super().get_state_shape()))
-
-    def get_state_dtype(self) -> tuple[torch.dtype, ...]:
-        return self.served_dtypes(tuple(super().get_state_dtype()))
+        return (h, h, d, d)
 
     def checkpoint_view(self, state: Tensor) -> Tensor:
         return state.transpose(-1, -2)

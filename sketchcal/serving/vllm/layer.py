@@ -22,11 +22,13 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from sketchcal.errors import SketchcalError
 from sketchcal.kernels.common.pool import DecodePool
 from sketchcal.serving.vllm.decode import WindowDecoder
+from sketchcal.serving.vllm.intercept import active, install
 from sketchcal.serving.vllm.page import PagePlan
 from sketchcal.serving.vllm.settings import ServeSettings, serve_settings
 
@@ -72,6 +74,28 @@ class ServedLayer:
     layer_index: int = -1
     base_states: int = 2  # vLLM's own states at the front of the page (conv, recurrent)
 
+    # the module-level function vLLM's forward calls for the decode step (the family subclass)
+    decode_module: str = ""
+    decode_function: str = ""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        from vllm.config import get_current_vllm_config
+
+        super().__init__(*args, **kwargs)
+        self.serve_setup(get_current_vllm_config(), self.prefix, self.layer_dims())  # type: ignore[attr-defined]
+        if self.serving is not None:
+            install(self.decode_module, self.decode_function, "decode")
+
+    def layer_dims(self) -> tuple[int, int, int, int]:
+        """(heads, groups, key dim, value dim) of this layer as vLLM built it (family subclass)."""
+        raise NotImplementedError
+
+    def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
+        return self.served_shapes(tuple(super().get_state_shape()))  # type: ignore[misc]
+
+    def get_state_dtype(self) -> tuple[torch.dtype, ...]:
+        return self.served_dtypes(tuple(super().get_state_dtype()))  # type: ignore[misc]
+
     def serve_setup(self, vllm_config: Any, prefix: str, shape: tuple[int, int, int, int]) -> None:
         """Read the settings; ``shape`` = (heads, groups, key dim, value dim) of this layer as vLLM
         built it, checked against the sketch."""
@@ -110,8 +134,6 @@ class ServedLayer:
     def base_forward(self) -> Iterator[None]:
         """Run the base class's forward inside: this layer is the active caller of the intercepted
         decode function, and ``kv_cache`` holds vLLM's own states only."""
-        from sketchcal.serving.vllm.intercept import active
-
         pages = self.kv_cache  # type: ignore[attr-defined]
         self._pages, self.kv_cache = pages, pages[: self.base_states]
         try:

@@ -14,15 +14,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor
-from vllm.config import get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.mamba_mixer2 import MambaMixer2
 
 from sketchcal.models.mamba2 import Mamba2Adapter
 from sketchcal.runtime.kernel_state import kernel_inputs
-from sketchcal.serving.vllm.intercept import install
 from sketchcal.serving.vllm.layer import ServedLayer
 
 DECODE_MODULE = "vllm.model_executor.layers.mamba.mamba_mixer2"
@@ -33,18 +30,10 @@ _ADAPTER = Mamba2Adapter()
 class SketchMambaMixer2(ServedLayer, MambaMixer2):
     """``MambaMixer2`` whose decode rows run sketchcal's replay or sketch step."""
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        shape = (self.num_heads, self.n_groups, self.ssm_state_size, self.head_dim)
-        self.serve_setup(get_current_vllm_config(), self.prefix, shape)
-        if self.serving is not None:
-            install(DECODE_MODULE, DECODE_FUNCTION, "decode")
+    decode_module, decode_function = DECODE_MODULE, DECODE_FUNCTION
 
-    def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
-        return self.served_shapes(tuple(super().get_state_shape()))
-
-    def get_state_dtype(self) -> tuple[torch.dtype, ...]:
-        return self.served_dtypes(tuple(super().get_state_dtype()))
+    def layer_dims(self) -> tuple[int, int, int, int]:
+        return (self.num_heads, self.n_groups, self.ssm_state_size, self.head_dim)
 
     def checkpoint_view(self, state: Tensor) -> Tensor:
         return state.transpose(-1, -2)
