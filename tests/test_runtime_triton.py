@@ -173,7 +173,7 @@ def check_replay(model, art, ids, window: int, new: int, tol: float) -> None:
     value_major = describe(model).family == "mamba2"  # transformers keeps Mamba-2 states [B, H, V, K]
     for layer, st in states.items():  # generate feeds new − 1 tokens as decode steps
         assert st.flushes == (new - 1) // window and st.pos == (new - 1) % window
-        cached = out.past_key_values.get_recurrent_state(layer)
+        cached = out.past_key_values.layers[layer].recurrent_states[0]  # transformers ≥ 5.17
         assert torch.equal(cached.transpose(-1, -2) if value_major else cached, st.ckpt.state)
 
 
@@ -280,6 +280,11 @@ def test_graph_decoder_refusals():
                 GraphDecoder(model, graphs=True)
         with pytest.raises(SketchcalError, match="max_new_tokens"):
             GraphDecoder(model, graphs=False).generate(ids_for(model, 1, 4, 0), 0)
+        ids = ids_for(model, 2, 4, 0)
+        padded = torch.ones_like(ids)
+        padded[0, 0] = 0
+        with pytest.raises(SketchcalError, match="without padding"):
+            GraphDecoder(model, graphs=False).generate(ids, 2, attention_mask=padded)
 
 
 # ---- speculative drafts: kernel states against reference states (no model) ----------------------

@@ -30,11 +30,13 @@ class GdnAdapter:
         heads, groups = mixer.num_v_heads, mixer.num_k_heads  # the key heads are the groups
         return LayerShape(mixer.layer_idx, heads, groups, mixer.head_k_dim, mixer.head_v_dim)
 
-    def inputs(self, kind: str, args: dict[str, Any]) -> tuple[StepInputs, Tensor | None]:
-        q, k, w, beta, decay, state = delta_rule_terms(args, _l2norm)
+    def inputs(
+        self, kind: str, args: dict[str, Any], dtype: torch.dtype = torch.float64
+    ) -> tuple[StepInputs, Tensor | None]:
+        q, k, w, beta, decay, state = delta_rule_terms(args, _l2norm, dtype)
         q = q * q.shape[-1] ** -0.5
         rep = w.shape[-2] // k.shape[-2]  # value heads per key head
-        q, k = (t.repeat_interleave(rep, dim=-2).double() for t in (q, k))
+        q, k = (t.repeat_interleave(rep, dim=-2).to(dtype) for t in (q, k))
         return StepInputs(k=k, q=q, w=w, decay=decay, beta=beta), state
 
     def pre_gate_output(self, kind: str, result: Any) -> Tensor:

@@ -29,10 +29,12 @@ class KdaAdapter:
     def layer_shape(self, mixer: nn.Module) -> LayerShape:
         return LayerShape(mixer.layer_idx, mixer.num_heads, mixer.num_heads, mixer.head_dim, mixer.head_dim)
 
-    def inputs(self, kind: str, args: dict[str, Any]) -> tuple[StepInputs, Tensor | None]:
-        q, k, w, beta, decay, state = delta_rule_terms(args, _l2norm)
+    def inputs(
+        self, kind: str, args: dict[str, Any], dtype: torch.dtype = torch.float64
+    ) -> tuple[StepInputs, Tensor | None]:
+        q, k, w, beta, decay, state = delta_rule_terms(args, _l2norm, dtype)
         q = q * (1 / q.shape[-1] ** 0.5)
-        return StepInputs(k=k.double(), q=q.double(), w=w, decay=decay, beta=beta), state
+        return StepInputs(k=k.to(dtype), q=q.to(dtype), w=w, decay=decay, beta=beta), state
 
     def pre_gate_output(self, kind: str, result: Any) -> Tensor:
         return first_output(result)

@@ -314,7 +314,10 @@ class Runtime:
         outs = [out0.float()]
         if n0 < n_tokens:
             outs.append(state.step(self._inputs("prefill", rest)).float())
-        ckpt_hf = glue.from_key_major(state.ckpt.state).float()
+        if self.mirror_cache:
+            ckpt_hf = glue.from_key_major(state.ckpt.state).float()
+        else:  # the pool is the only copy: the cache gets an empty placeholder, not a second state
+            ckpt_hf = s_hf.new_empty((*s_hf.shape[:-1], 0))
         return glue.prefill_result(named, torch.cat(outs, dim=1), ckpt_hf)
 
     def _resume(self, registry: dict[int, Any], layer: int, s_hf: Tensor, named) -> Any:
@@ -333,7 +336,8 @@ class Runtime:
     def _inputs(self, kind: str, named: dict[str, Any]):
         if self.glue.family == "mamba2" and kind == "prefill":
             named = {**named, "dt_limit": (0.0, float("inf"))}  # decode steps: the one-token function's dt
-        return self.spec.adapter.inputs(kind, named)[0]
+        dtype = torch.float32 if self.backend == "triton" else torch.float64  # what the kernels take
+        return self.spec.adapter.inputs(kind, named, dtype)[0]
 
     def _own_prefill(
         self, impl: Callable, call: tuple[tuple, dict[str, Any]], named: dict[str, Any], n0: int, layer: int
