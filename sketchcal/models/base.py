@@ -65,6 +65,8 @@ class FamilyAdapter(Protocol):
     query scaling, dt softplus and limits, group expansion) and return tensors of ``dtype`` (float64
     for the references and capture, float32 for the kernels, which take no more) in the
     design's key-major layout: k, q [B, T, H, K]; w [B, T, H, V]; decay [B, T, H] or [B, T, H, K].
+    The delta-rule adapters also have ``fused_inputs(args, dtype)``: the same inputs in the decode
+    kernels' layout, from one Triton kernel (the triton backend's path; ``inputs`` is its reference).
     """
 
     family: str

@@ -36,5 +36,14 @@ class KdaAdapter:
         q = q * (1 / q.shape[-1] ** 0.5)
         return StepInputs(k=k.to(dtype), q=q.to(dtype), w=w, decay=decay, beta=beta), state
 
+    def fused_inputs(self, args: dict[str, Any], dtype: torch.dtype) -> StepInputs:
+        """:meth:`inputs` in the kernels' layout (k, q per group; k, q, w in ``dtype``), computed by
+        one Triton kernel (:mod:`sketchcal.kernels.common.prepare`)."""
+        from sketchcal.kernels.common.prepare import delta_rule_inputs
+
+        names = ("query", "key", "value", "g", "beta")
+        l2norm = bool(args.get("use_qk_l2norm_in_kernel"))
+        return delta_rule_inputs(*(args[n] for n in names), l2norm=l2norm, dtype=dtype)
+
     def pre_gate_output(self, kind: str, result: Any) -> Tensor:
         return first_output(result)
