@@ -57,6 +57,17 @@ def delta_rule_terms(
     return q, k, beta[..., None] * v.to(dtype), beta, decay, None if state is None else state.to(dtype)
 
 
+def fused_delta_rule_inputs(args: dict[str, Any], dtype: torch.dtype) -> StepInputs:
+    """A GDN / KDA call's decode inputs in the kernels' layout (k, q per group; k, q, w in
+    ``dtype``), from one Triton kernel (:mod:`sketchcal.kernels.common.prepare`); the adapters'
+    ``inputs`` is its reference."""
+    from sketchcal.kernels.common.prepare import delta_rule_inputs
+
+    names = ("query", "key", "value", "g", "beta")
+    l2norm = bool(args.get("use_qk_l2norm_in_kernel"))
+    return delta_rule_inputs(*(args[n] for n in names), l2norm=l2norm, dtype=dtype)
+
+
 class FamilyAdapter(Protocol):
     """Maps the arguments of a family's transformers kernel functions to :class:`StepInputs`.
 

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from sketchcal.kernels.common import StepInputs
-from sketchcal.models.base import LayerShape, delta_rule_terms, first_output
+from sketchcal.models.base import LayerShape, delta_rule_terms, first_output, fused_delta_rule_inputs
 
 
 def _l2norm(x: Tensor) -> Tensor:
@@ -39,14 +39,7 @@ class GdnAdapter:
         q, k = (t.repeat_interleave(rep, dim=-2).to(dtype) for t in (q, k))
         return StepInputs(k=k, q=q, w=w, decay=decay, beta=beta), state
 
-    def fused_inputs(self, args: dict[str, Any], dtype: torch.dtype) -> StepInputs:
-        """:meth:`inputs` in the kernels' layout (k, q per group; k, q, w in ``dtype``), computed by
-        one Triton kernel (:mod:`sketchcal.kernels.common.prepare`)."""
-        from sketchcal.kernels.common.prepare import delta_rule_inputs
-
-        names = ("query", "key", "value", "g", "beta")
-        l2norm = bool(args.get("use_qk_l2norm_in_kernel"))
-        return delta_rule_inputs(*(args[n] for n in names), l2norm=l2norm, dtype=dtype)
+    fused_inputs = staticmethod(fused_delta_rule_inputs)
 
     def pre_gate_output(self, kind: str, result: Any) -> Tensor:
         return first_output(result)
