@@ -442,7 +442,8 @@ GPU_BATCH, GPU_NEW = 64, 256
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def demo(request, tmp_path_factory):
-    """``builtin:tiny-<family>`` on CUDA with an artifact converted at rank 8 from a quick calibration."""
+    """``builtin:tiny-<family>`` on CUDA with an artifact converted at rank 8 from a quick calibration
+    (on the CPU: these tests check decoding; CUDA calibration is ``test_calibrate_gpu``'s)."""
     import sketchcal
     from sketchcal.models.loading import load_model
 
@@ -456,7 +457,7 @@ def demo(request, tmp_path_factory):
         batch_size=4,
         heldout_samples=4,
         heldout_windows=4,
-        device="cuda",
+        device="cpu",
         dtype="float32",
         progress=False,
     )
