@@ -53,27 +53,29 @@ def _load(target: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(module), attr)
 
 
+JSON_HELP = "Print the results as JSON on stdout instead of a table"
+
+
 def settings_command(
     name: str,
     settings: type,
     target: str,
     help: str,
     *,
-    show: str | None = None,
+    show: Callable[[Any, dict[str, Any], bool], None],
     extra: Callable[[], dict[str, Any]] | None = None,
 ) -> None:
-    """Register command ``name`` whose parameters are the CLI fields of ``settings``.
+    """Register command ``name`` whose parameters are the CLI fields of ``settings`` and ``--json``.
 
     The command calls the API function ``target`` (``"module:function"``) with the parsed values
-    (plus ``extra()``: API-only fields the CLI fills in), and passes its result to ``show`` if given.
+    (plus ``extra()``: API-only fields the CLI fills in) and prints its result with
+    ``show(result, values, as_json)``: a table on stdout, or JSON with ``--json``.
     """
 
     def command(**values: Any) -> None:
+        as_json = values.pop("as_json")
         result = _load(target)(**values, **(extra() if extra else {}))
-        if show is not None:
-            from rich.console import Console
-
-            _load(show)(result, Console())
+        show(result, values, as_json)
 
     params = []
     for f, cli_type in cli_fields(settings):
@@ -87,9 +89,33 @@ def settings_command(
         params.append(
             pyinspect.Parameter(f.name, pyinspect.Parameter.KEYWORD_ONLY, default=default, annotation=typed)
         )
+    json_flag = Annotated[bool, typer.Option("--json", help=JSON_HELP)]
+    params.append(
+        pyinspect.Parameter("as_json", pyinspect.Parameter.KEYWORD_ONLY, default=False, annotation=json_flag)
+    )
     command.__signature__ = pyinspect.Signature(params)  # type: ignore[attr-defined]
     command.__name__ = name
     app.command(name, help=help)(command)
+
+
+def _show_calibration(manifest: dict[str, Any], values: dict[str, Any], as_json: bool) -> None:
+    from sketchcal.ui import show_calibration
+
+    show_calibration(manifest, Path(values["out"]), as_json)
+
+
+def _show_convert(result: Any, values: dict[str, Any], as_json: bool) -> None:
+    from sketchcal.artifact.report import print_convert_result
+    from sketchcal.ui import print_json, results_console
+
+    print_json(result.to_dict()) if as_json else print_convert_result(result, results_console())
+
+
+def _show_verify(result: Any, values: dict[str, Any], as_json: bool) -> None:
+    from sketchcal.ui import print_json, results_console
+    from sketchcal.verify.report import print_table
+
+    print_json(result.to_dict()) if as_json else print_table(result, results_console())
 
 
 settings_command(
@@ -97,13 +123,14 @@ settings_command(
     CalibrateSettings,
     "sketchcal.calibrate.run:calibrate",
     "Capture window-aligned state and effective-query statistics of MODEL.",
+    show=_show_calibration,
 )
 settings_command(
     "convert",
     ConvertSettings,
     "sketchcal.artifact.convert:convert",
     "Fit sketch bases, allocate per-head ranks and write a loadable model directory.",
-    show="sketchcal.artifact.report:print_convert_result",
+    show=_show_convert,
 )
 
 
@@ -114,13 +141,19 @@ def inspect(
         Path | None, typer.Option(help="Where to write the PNG plots (default DIR/plots)")
     ] = None,
     plots: Annotated[bool, typer.Option(help="Write the rank heatmap and error-vs-rank plots")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help=JSON_HELP)] = False,
 ) -> None:
     """Per-layer ranks, predicted errors and bytes of a converted model, with plots."""
     from rich.console import Console
 
     from sketchcal.artifact import inspect as run
+    from sketchcal.ui import print_json, results_console
 
-    run(model_dir, plots_dir, plots=plots, console=Console())
+    result = run(
+        model_dir, plots_dir, plots=plots, console=Console(quiet=True) if as_json else results_console()
+    )
+    if as_json:
+        print_json(result.to_dict())
 
 
 @app.command()
@@ -209,6 +242,7 @@ settings_command(
     VerifySettings,
     "sketchcal.verify.run:verify",
     "Accuracy and traffic of a converted model in standard, replay and sketch modes.",
+    show=_show_verify,
     extra=lambda: {"command": "sketchcal " + " ".join(sys.argv[1:])},
 )
 

@@ -85,18 +85,67 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+_OS_ERROR = re.compile(r"os error (\d+)")
+
+
+def _errno_of(err: BaseException) -> int | None:
+    """The errno of an OSError, or of an I/O error that a library reports only in its message
+    (safetensors' writer says ``... (os error 28)``)."""
+    if isinstance(err, OSError):
+        return err.errno
+    m = _OS_ERROR.search(str(err))
+    return int(m[1]) if m else None
+
+
 @contextlib.contextmanager
 def disk_errors(what: str) -> Iterator[None]:
-    """Turn a full disk or a permission problem into a one-line :class:`SketchcalError`."""
+    """Turn a full disk or a permission problem into a one-line :class:`SketchcalError`.
+
+    Catches ``OSError`` and the I/O errors of writers that wrap it (safetensors' ``SafetensorError``).
+    """
     try:
         yield
-    except OSError as err:
-        if err.errno == errno.ENOSPC:
+    except SketchcalError:
+        raise
+    except Exception as err:
+        code = _errno_of(err)
+        if code == errno.ENOSPC:
             msg = f"no space left on the device while writing {what}; free space and rerun"
             raise SketchcalError(msg) from err
-        if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-            raise SketchcalError(f"cannot write {what}: {err.strerror}; choose a writable location") from err
+        if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+            reason = os.strerror(code)
+            raise SketchcalError(f"cannot write {what}: {reason}; choose a writable location") from err
         raise
+
+
+def _existing_ancestor(path: Path) -> Path:
+    p = path.absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def check_writable(path: str | os.PathLike, need_bytes: int, what: str, option: str = "--out") -> None:
+    """Fail early, with one line, when ``path`` (a directory to be written, existing or not) cannot be
+    created or written, or its filesystem has less than ``need_bytes`` free.
+
+    A probe file is created (and removed) in ``path`` or its nearest existing ancestor, so a read-only
+    filesystem or a missing permission is found before any long work starts; nothing is left behind.
+    """
+    base = _existing_ancestor(Path(path))
+    if not base.is_dir():
+        raise SketchcalError(f"{base} is not a directory; choose another {option}")
+    remove_stale_temporaries(base)
+    with disk_errors(what):
+        fd, probe = tempfile.mkstemp(prefix=f".probe.{_owner_tag()}.", suffix=".tmp", dir=base)
+        os.close(fd)
+        os.unlink(probe)
+    free = shutil.disk_usage(base).free
+    if free < need_bytes:
+        raise SketchcalError(
+            f"not enough free space for {what}: about {need_bytes / 2**20:,.1f} MiB needed, "
+            f"{free / 2**20:,.1f} MiB free on {base}; free space or choose another {option}"
+        )
 
 
 @contextlib.contextmanager

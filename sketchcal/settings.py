@@ -90,6 +90,15 @@ def cli_fields(settings: type) -> list[tuple[Field, Any]]:
     return [(f, f.metadata["cli_type"] or hints[f.name]) for f in fields(settings) if f.metadata["cli"]]
 
 
+def cli_flag(settings: type, name: str) -> str:
+    """How the command line spells field ``name`` of ``settings``: ``--seq-len``, ``--sample/--greedy``,
+    or the argument's name in capitals."""
+    f = next(f for f in fields(settings) if f.name == name)
+    if f.metadata["argument"]:
+        return name.upper()
+    return f.metadata["flag"] or "--" + name.replace("_", "-")
+
+
 def api_signature(settings: type, positional: str) -> inspect.Signature:
     """The signature ``fn(positional, *, option=default, ...)`` of an API function over ``settings``
     (set as its ``__signature__``, so ``help()`` and IDEs show the real keywords)."""
@@ -187,6 +196,21 @@ class CalibrateSettings(CommandSettings):
             )
         if self.prompt_len is None:
             self._set("prompt_len", self.seq_len if self.gen_tokens > 0 else 0)
+        decoded = self.gen_tokens if self.gen_tokens > 0 else self.seq_len - self.prompt_len
+        if self.window > decoded:
+            how = "--gen-tokens" if self.gen_tokens > 0 else "--seq-len minus --prompt-len"
+            raise SketchcalError(
+                f"--window {self.window} is longer than the {decoded} tokens each sample decodes ({how}), "
+                "so no window would complete; lower --window or decode more tokens"
+            )
+        if self.do_sample and not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise SketchcalError(
+                f"--temperature must be positive when sampling (got {self.temperature}); "
+                "for greedy decoding pass --greedy instead of --sample"
+            )
+        from sketchcal.models.loading import DTYPES
+
+        _choice("dtype", self.dtype, tuple(DTYPES))
         if self.heldout_samples is None and self.samples is not None:
             self._set("heldout_samples", max(1, self.samples // 8))
 

@@ -18,6 +18,7 @@ import torch
 
 from sketchcal import __version__
 from sketchcal.formats.stats import FORMAT, VERSION, tensor_name, window_layout, write_final
+from sketchcal.integrity import weights_fingerprint
 
 
 def gdn_layers(config) -> list[dict[str, int]]:
@@ -178,6 +179,8 @@ def write_synthetic_stats(
             "model_type": model_type,
             "family": family,
             "fingerprint": fingerprint,
+            # as calibrate records it: the weights of a local model directory
+            "weights_fingerprint": weights_fingerprint(model_id)[0] if Path(model_id).is_dir() else None,
         },
         "data": {"source": "synthetic", "seed": seed},
         "seed": seed,

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 import sketchcal
 from sketchcal.calibrate import run as run_module
+from sketchcal.calibrate.preflight import check_resume
 from sketchcal.errors import SketchcalError
 from sketchcal.formats.stats import load_stats_tensors
 
@@ -66,7 +67,7 @@ def test_generation_masks_tokens_after_eos(tmp_path):
 
 def test_resumed_run_equals_uninterrupted(tmp_path, monkeypatch):
     full = tmp_path / "full"
-    sketchcal.calibrate(out=full, save_every=1, **SMALL)
+    sketchcal.calibrate(out=full, **SMALL)  # never saves progress: the sums are never reloaded
 
     part = tmp_path / "part"
     real = run_module._Runner.process
@@ -84,15 +85,55 @@ def test_resumed_run_equals_uninterrupted(tmp_path, monkeypatch):
     assert not (part / "manifest.json").exists() and (part / "_progress" / "state.json").exists()
     with pytest.raises(SketchcalError, match="not empty"):
         sketchcal.calibrate(out=part, save_every=1, **SMALL)
-    with pytest.raises(SketchcalError, match="other settings"):
+    differs = "other arguments: --prompt-len 32 → 24; --seq-len 64 → 48; rerun"
+    with pytest.raises(SketchcalError, match=differs):
         sketchcal.calibrate(out=part, save_every=1, resume=True, **{**SMALL, "seq_len": 48})
     monkeypatch.setattr(run_module._Runner, "process", real)
-    sketchcal.calibrate(out=part, save_every=1, resume=True, **SMALL)
+    # --save-every is not part of the result: resumed with another one, the bytes are the same
+    sketchcal.calibrate(out=part, save_every=2, resume=True, **SMALL)
 
     a, b = _tensors(full), _tensors(part)
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ({"settings": {"window": 8}}, "--window 16 → 8"),
+        ({"settings": {"samples": 64}}, "--samples 32 → 64"),
+        ({"settings": {"seed": 1}}, "--seed 0 → 1"),
+        ({"settings": {"batch_size": 4}}, "--batch-size 8 → 4"),
+        ({"settings": {"model": "builtin:tiny-kda"}}, "MODEL 'builtin:tiny-gdn' → 'builtin:tiny-kda'"),
+        ({"settings": {"data": "docs.jsonl"}}, "--data None → 'docs.jsonl'"),
+        ({"weights": "sha256:" + "b" * 64}, "model weights 'sha256:aaaaaaaaaaaa…' → 'sha256:bbbbbbbbbbbb…'"),
+        ({"data": {"source": "builtin", "sha256": "x2"}}, "data content (the documents' sha256 changed)"),
+    ],
+)
+def test_resume_names_the_argument_that_differs(change, named, tmp_path):
+    old = {
+        "settings": {
+            "model": "builtin:tiny-gdn",
+            "data": None,
+            "window": 16,
+            "samples": 32,
+            "seed": 0,
+            "batch_size": 8,
+        },
+        "fingerprint": "sha256:" + "f" * 64,
+        "weights": "sha256:" + "a" * 64,
+        "data": {"source": "builtin", "sha256": "x1"},
+    }
+    new = {
+        k: {**v, **change[k]} if isinstance(v, dict) and k in change else change.get(k, v)
+        for k, v in old.items()
+    }
+    with pytest.raises(SketchcalError) as err:
+        check_resume(old, new, tmp_path)
+    message = str(err.value)
+    assert f"used other arguments: {named}; rerun" in message and "\n" not in message
+    check_resume(old, json.loads(json.dumps(old)), tmp_path)  # the same identity resumes
 
 
 def _free_port() -> int:

@@ -56,7 +56,7 @@ def test_convert_end_to_end(base, tmp_path):
     base_cfg = json.loads((base["model"] / "config.json").read_text())
     assert {k: v for k, v in cfg.items() if k != "sketch_config"} == base_cfg
     sc = cfg["sketch_config"]
-    assert sc["format"] == "sketchcal-sketch" and sc["version"] == 1 and sc["producer"]["name"] == "sketchcal"
+    assert sc["format"] == "sketchcal-sketch" and sc["version"] == 2 and sc["producer"]["name"] == "sketchcal"
     assert "sketch_config" not in cfg.get("quantization_config", {})
     assert sc["fingerprint"] == load_stats(base["stats"]).fingerprint
     assert sc["summary"]["mean_rank"] <= 6 + 1e-9

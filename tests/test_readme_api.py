@@ -1,4 +1,5 @@
-"""The README's Python API, run as the README writes it (with smaller sizes), offline, in tmp_path."""
+"""The README's quickstart (its shell block and its Python API), run as the README writes it with
+smaller sizes, offline, in tmp_path; and its CPU torch line is a command."""
 
 from __future__ import annotations
 
@@ -70,3 +71,56 @@ def test_readme_python_api_runs(tmp_path, monkeypatch):
     assert summary.summary["mean_rank"] == pytest.approx(result.allocation.mean_rank)
     planned = sketchcal.push("model-sketch", "user/model-sketchssm", dry_run=True)
     assert planned.dry_run and any(f.path_in_repo == "sketch/sketch.safetensors" for f in planned.files)
+
+
+# extra options per command that shrink the quickstart to test sizes; the README's own arguments stay
+SMALL_FLAGS = {
+    "calibrate": "--samples 4 --seq-len 48 --batch-size 2 --heldout-samples 2 --device cpu --no-progress",
+    "convert": "--no-progress",
+    "verify": "--tokens 16 --prompt 8 --samples 2 --device cpu --no-progress --no-plots",
+}
+
+
+def readme_block(after: str, lang: str = "bash") -> str:
+    text = (ROOT / "README.md").read_text()
+    match = re.search(re.escape(after) + r".*?```" + lang + r"\n(.*?)```", text, re.S)
+    assert match, f"README.md lost its {lang} block after {after!r}"
+    return match.group(1)
+
+
+def test_readme_quickstart_shell_block_runs(tmp_path, monkeypatch, capsys):
+    import shlex
+    import sys
+
+    from sketchcal.cli import main
+
+    lines = [shlex.split(line, comments=True) for line in readme_block("## Quickstart").splitlines()]
+    commands = [words for words in lines if words]
+    assert [c[:2] for c in commands] == [
+        ["sketchcal", "calibrate"],
+        ["sketchcal", "convert"],
+        ["sketchcal", "verify"],
+    ]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COLUMNS", "200")
+    for words in commands:
+        argv = [*words, *SMALL_FLAGS[words[1]].split()]
+        monkeypatch.setattr(sys, "argv", argv)
+        with pytest.raises(SystemExit) as exit_:
+            main()
+        out, err = capsys.readouterr()
+        assert exit_.value.code in (0, None), f"{shlex.join(argv)}: {err}"
+        assert "Traceback" not in err
+    assert json.loads(Path("stats/manifest.json").read_text())["complete"]
+    assert Path("sketch/sketch/sketch.safetensors").is_file()
+    assert "sketch · pca basis" in out and "standard" in out  # verify's table, on stdout
+    assert Path("sketch/verify/verify.json").is_file()
+
+
+def test_readme_cpu_torch_line_is_a_command():
+    import shlex
+
+    block = readme_block("install a CPU build of torch first")
+    (words,) = [shlex.split(line, comments=True) for line in block.splitlines() if line.strip()]
+    assert words[:3] == ["pip", "install", "torch"]
+    assert words[words.index("--index-url") + 1] == "https://download.pytorch.org/whl/cpu"

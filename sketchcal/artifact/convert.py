@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import save_file
 
 from sketchcal.artifact.card import model_card
 from sketchcal.artifact.fingerprint import config_fingerprint, load_config
@@ -55,7 +54,8 @@ from sketchcal.fit.ranks import SUPPORTED_RANKS
 from sketchcal.fit.shrinkage import SHRINKAGE_METHODS
 from sketchcal.fit.traffic import TrafficModel, dtype_bytes
 from sketchcal.formats.stats import Stats, load_stats
-from sketchcal.fsutil import atomic_dir, finite_json
+from sketchcal.fsutil import atomic_dir, check_writable, finite_json
+from sketchcal.integrity import file_digest, save_safetensors, short, weights_fingerprint
 from sketchcal.settings import ConvertSettings, api_signature
 
 if TYPE_CHECKING:
@@ -78,6 +78,19 @@ class ConvertResult:
     shrinkage: str  # the E estimator used
     shrinkage_scores: dict[str, float | None]  # held-out predicted KL of the allocation per estimator tried
     notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: what ``sketchcal convert --json`` prints."""
+        return {
+            "out": str(self.out),
+            "weights": self.weights,
+            "base_model": self.base_model,
+            "shrinkage": self.shrinkage,
+            "shrinkage_scores": self.shrinkage_scores,
+            "allocation": finite_json(self.allocation.to_dict()),
+            "sketch_config": self.sketch_config,
+            "notes": self.notes,
+        }
 
 
 def convert(stats_dir: str | Path, **options: Any) -> ConvertResult:
@@ -129,6 +142,8 @@ class ConvertInputs:
     weights: str  # what write_artifact places: "full" (the base's files) | "saved" (builtin) | "reference"
     traffic: list[TrafficModel]  # the byte model of each layer, in stats.layers order
     notes: list[str] = field(default_factory=list)
+    base_weights_fingerprint: str | None = None  # sketchcal.integrity, of the base's weight files
+    base_digests: dict[str, str] = field(default_factory=dict)  # base weight file name -> sha256
 
 
 @dataclass
@@ -205,15 +220,32 @@ def resolve_inputs(settings: ConvertSettings) -> ConvertInputs:
             ) from err
     elif base.note:
         notes.append(base.note)
+    where = base.builtin or base.path
     if base_cfg is not None:
         fp = config_fingerprint(base_cfg)
         if fp != stats.fingerprint:
-            where = base.builtin or base.path
             raise SketchcalError(
                 f"the statistics in {stats.path} come from another model: their fingerprint "
                 f"{stats.fingerprint[:12]}… differs from {where}'s {fp[:12]}…; calibrate this "
                 "model or pass the model the statistics were taken on"
             )
+    base_fp, base_digests = None, {}
+    if builtin is not None:
+        base_fp = builtin.weights_fingerprint
+    elif base.path is not None:
+        base_fp, base_digests = weights_fingerprint(base.path)
+    recorded = stats.model.get("weights_fingerprint")
+    if recorded and base_fp and recorded != base_fp:
+        raise SketchcalError(
+            f"the statistics in {stats.path} were taken on other weights than {where} (same architecture, "
+            f"weights fingerprint {short(recorded)} vs {short(base_fp)}); pass the model the statistics "
+            "were taken on (--model), or calibrate this one"
+        )
+    if base_fp and not recorded and "weights_fingerprint" not in stats.model:
+        notes.append(
+            "the statistics record no weights fingerprint (older sketchcal): "
+            "the base weights were not checked"
+        )
     weights = "reference"
     if not s.reference_only and builtin is not None:
         weights = "saved"
@@ -228,7 +260,28 @@ def resolve_inputs(settings: ConvertSettings) -> ConvertInputs:
         else:
             notes.append(f"base model {base.path} has no weight files; wrote a reference-only directory")
     traffic = traffic_models(stats.family, stats.layers, stats.window, s.read_dtype, s.buffer_dtype)
-    return ConvertInputs(s, stats_dir, stats, base, base_cfg, builtin, weights, traffic, notes)
+    check_writable(s.out, _output_bytes(stats, base, builtin, weights, s.out), f"the converted model {s.out}")
+    return ConvertInputs(
+        s, stats_dir, stats, base, base_cfg, builtin, weights, traffic, notes, base_fp, base_digests
+    )
+
+
+def _output_bytes(stats: Stats, base: BaseModel, builtin: LoadedModel | None, weights: str, out: Path) -> int:
+    """An upper bound of the bytes a conversion writes: the sketch (coefficient maps at full rank),
+    the curves, and the weights when they are saved or copied (hard links cost nothing)."""
+    sketch = sum(
+        4 * li.key_dim * li.key_dim * (li.heads + li.groups) + 64 * li.heads * 4 for li in stats.layers
+    )
+    placed = 0
+    if weights == "saved" and builtin is not None:
+        placed = sum(p.numel() * p.element_size() for p in builtin.model.parameters()) + 8 * 2**20
+    elif weights == "full" and base.path is not None:
+        target = out.absolute().parent
+        while not target.exists():
+            target = target.parent
+        if base.path.resolve().stat().st_dev != target.stat().st_dev:  # no hard links across devices
+            placed = sum(f.resolve().stat().st_size for f in base.path.rglob("*") if f.is_file())
+    return sketch + placed + 2**20
 
 
 def fit_sketch(
@@ -299,9 +352,10 @@ def sketch_section(
     base_id: str | None,
     base_revision: str | None,
     weights: str,
+    weights_fingerprint: str | None = None,
 ) -> dict[str, Any]:
     """The ``sketch_config`` section of config.json for ``fit`` (docs/sketch-format.md), without the
-    calibration provenance, which only a written artifact records."""
+    calibration provenance and the file hashes, which only a written artifact records."""
     alloc = fit.allocation
     summary = finite_json(
         {k: v for k, v in alloc.to_dict().items() if k not in ("layers", "notes", "budget")}
@@ -314,7 +368,12 @@ def sketch_section(
         "family": stats.family,
         "window": stats.window,
         "fingerprint": stats.fingerprint,
-        "base_model": {"id": base_id, "revision": base_revision, "weights": weights},
+        "base_model": {
+            "id": base_id,
+            "revision": base_revision,
+            "weights": weights,
+            "weights_fingerprint": weights_fingerprint,
+        },
         "basis": basis,
         "coef": coef,
         "allocation": alloc.allocation,
@@ -364,6 +423,7 @@ def write_artifact(inputs: ConvertInputs, fit: SketchFit) -> ConvertResult:
         base_id=base.id,
         base_revision=base.revision,
         weights=inputs.weights,
+        weights_fingerprint=inputs.base_weights_fingerprint,
     )
     # Provenance: verify re-fits ablations and rank sweeps from these statistics.
     section["calibration"] = {"stats_dir": str(inputs.stats_dir.resolve())}
@@ -374,7 +434,10 @@ def write_artifact(inputs: ConvertInputs, fit: SketchFit) -> ConvertResult:
             placed_mode = placed.mode
             notes.extend(placed.notes)
         elif inputs.weights == "saved":
-            inputs.builtin.model.save_pretrained(str(tmp))
+            from sketchcal.models.loading import quiet_progress_bars
+
+            with quiet_progress_bars():
+                inputs.builtin.model.save_pretrained(str(tmp))
             inputs.builtin.tokenizer.save_pretrained(str(tmp))
             placed_mode = "saved"
         section["base_model"]["weights"] = placed_mode
@@ -388,8 +451,6 @@ def write_artifact(inputs: ConvertInputs, fit: SketchFit) -> ConvertResult:
             config = {"model_type": stats.model.get("model_type")}
         if CONFIG_KEY in config:
             notes.append("the base config already had a sketch_config section; replaced it")
-        config[CONFIG_KEY] = section
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         write_sketch(
             tmp / SKETCH_FILE,
             fit.layers,
@@ -401,6 +462,9 @@ def write_artifact(inputs: ConvertInputs, fit: SketchFit) -> ConvertResult:
         (tmp / MANIFEST_COPY).write_text(json.dumps(stats.manifest, indent=2) + "\n")
         (tmp / ALLOCATION_FILE).write_text(json.dumps(finite_json(alloc.to_dict()), indent=2) + "\n")
         _write_curves(tmp / CURVES_FILE, fit.fits)
+        section["files"] = _digests(tmp, inputs.base_digests if inputs.weights == "full" else {})
+        config[CONFIG_KEY] = section
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "README.md").write_text(
             model_card(
                 base_id=base.id,
@@ -426,6 +490,16 @@ def write_artifact(inputs: ConvertInputs, fit: SketchFit) -> ConvertResult:
     )
 
 
+def _digests(root: Path, known: dict[str, str]) -> dict[str, str]:
+    """sha256 of every ``*.safetensors`` file under ``root`` by relative path; a weight file linked or
+    copied from the base takes its digest from ``known`` (the base's, already computed)."""
+    out = {}
+    for f in sorted(root.rglob("*.safetensors")):
+        rel = f.relative_to(root).as_posix()
+        out[rel] = known.get(rel) or file_digest(f)
+    return out
+
+
 def _write_curves(path: Path, fits: list[LayerFit]) -> None:
     t: dict[str, torch.Tensor] = {}
     for f in fits:
@@ -439,8 +513,5 @@ def _write_curves(path: Path, fits: list[LayerFit]) -> None:
         t[p + "kl_scale"] = f.kl_scale.to(torch.float32)
         t[p + "shrinkage"] = f.shrinkage.to(torch.float32)
         t[p + "eigvals"] = f.eigvals.to(torch.float32)
-    save_file(
-        {k: v.contiguous() for k, v in t.items()},
-        str(path),
-        metadata={"format": "sketchcal-curves", "version": "1"},
-    )
+    meta = {"format": "sketchcal-curves", "version": "1"}
+    save_safetensors({k: v.contiguous() for k, v in t.items()}, path, metadata=meta)

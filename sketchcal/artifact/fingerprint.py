@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 
 def config_fingerprint(config) -> str:
     """The fingerprint ``calibrate`` records for a model with this config.
@@ -24,16 +22,14 @@ def config_fingerprint(config) -> str:
     """
     import transformers as tf
 
-    from sketchcal.models import describe
+    from sketchcal.models.spec import describe_config
 
     if isinstance(config, str | Path):
         config = load_config(config)
     if isinstance(config, dict):
         d = dict(config)
         config = tf.AutoConfig.for_model(d.pop("model_type"), **d)
-    with torch.device("meta"):
-        model = tf.AutoModelForCausalLM.from_config(config)
-    return describe(model).fingerprint
+    return describe_config(config).fingerprint
 
 
 def load_config(path: str | Path):

@@ -29,6 +29,15 @@ class InspectResult:
     layers: list[dict[str, Any]]  # per layer: layer, heads, key_dim, ranks, mean_rank, errors, bytes
     plots: list[Path] = field(default_factory=list)
 
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: what ``sketchcal inspect --json`` prints."""
+        return {
+            "sketch_config": self.artifact.config,
+            "summary": self.summary,
+            "layers": self.layers,
+            "plots": [str(p) for p in self.plots],
+        }
+
 
 def _pct(x) -> str:
     return "n/a" if x is None else f"{100 * float(x):.2f}%"

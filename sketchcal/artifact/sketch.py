@@ -1,4 +1,4 @@
-"""The sketch tensors of a converted model: ``sketch/sketch.safetensors`` (format version 1).
+"""The sketch tensors of a converted model: ``sketch/sketch.safetensors`` (format version 2).
 
 Per mixer layer i (decoder-layer index), with H heads, G groups, key dim K:
 
@@ -11,9 +11,13 @@ Per mixer layer i (decoder-layer index), with H heads, G groups, key dim K:
 ``M = max(1, max_h m_h)``; rows ≥ m_h are zero (a dense head's map is all zero). Head h uses frame
 ``h // (H // G)``. A read is ``Sᵀu ≈ (R S)_{:m}ᵀ (coef[h, :m] @ (R u))``.
 
-Safetensors metadata (all strings): ``format`` = ``sketchcal-sketch``, ``version`` = ``1``,
+Safetensors metadata (all strings): ``format`` = ``sketchcal-sketch``, ``version`` = ``2``,
 ``family``, ``window``, ``fingerprint``, ``producer`` (``sketchcal <version>``), ``layers`` (comma-
 separated layer indices).
+
+Version 2 added integrity records to the ``sketch_config`` section of config.json: ``files`` (the
+sha256 of every ``*.safetensors`` file of the directory: the sketch, the curves, the weights) and
+``base_model.weights_fingerprint``. Version 1 directories (no records) still load, unchecked.
 """
 
 from __future__ import annotations
@@ -25,14 +29,15 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor
 
 from sketchcal import __version__
 from sketchcal.errors import SketchcalError, first_line
+from sketchcal.integrity import check_files, save_safetensors, short
 
 SKETCH_FORMAT = "sketchcal-sketch"
-SKETCH_VERSION = 1
+SKETCH_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version 1: no file hashes
 SKETCH_DIR = "sketch"
 SKETCH_FILE = "sketch/sketch.safetensors"
 CONFIG_KEY = "sketch_config"
@@ -98,7 +103,7 @@ def write_sketch(
         "layers": ",".join(str(lay.layer) for lay in layers),
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path), metadata=meta)
+    save_safetensors(tensors, path, metadata=meta)
 
 
 def read_sketch(model_dir: str | Path, config=None) -> SketchArtifact:
@@ -126,10 +131,11 @@ def read_sketch(model_dir: str | Path, config=None) -> SketchArtifact:
     section = cfg.get(CONFIG_KEY)
     if not isinstance(section, dict) or section.get("format") != SKETCH_FORMAT:
         raise SketchcalError(f"{cfg_path} has no {CONFIG_KEY} section; run sketchcal convert first")
-    if section.get("version") != SKETCH_VERSION:
+    version = section.get("version")
+    if version not in READABLE_VERSIONS:
         raise SketchcalError(
-            f"{d}: sketch format version {section.get('version')!r} is not supported (this "
-            f"sketchcal reads version {SKETCH_VERSION}); reconvert or upgrade sketchcal"
+            f"{d}: sketch format version {version!r} is not supported (this sketchcal reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}); reconvert or upgrade sketchcal"
         )
     rel = Path(str(section.get("file", SKETCH_FILE)))
     if rel.is_absolute() or ".." in rel.parts:
@@ -137,34 +143,79 @@ def read_sketch(model_dir: str | Path, config=None) -> SketchArtifact:
     f = d / rel
     if not f.is_file():
         raise SketchcalError(f"{f} is missing; the converted model is incomplete, rerun sketchcal convert")
+    meta = _header(f)
+    if meta is not None and meta.get("format") != SKETCH_FORMAT:
+        raise SketchcalError(
+            f"{f} is not a sketchcal sketch file; restore this directory's own file or reconvert"
+        )
+    if meta is not None and meta.get("fingerprint") != section.get("fingerprint"):
+        raise SketchcalError(
+            f"{f} is not the sketch of {cfg_path}: it was fitted for another model (fingerprint "
+            f"{short(meta.get('fingerprint'))}, config.json's {short(section.get('fingerprint'))}); "
+            "restore this directory's own file or reconvert"
+        )
+    if version >= 2:
+        files = section.get("files")
+        if not isinstance(files, dict) or rel.as_posix() not in files:
+            raise SketchcalError(f"{cfg_path} records no sha256 of {rel}; reconvert")
+        check_files(d, files, str(cfg_path))
+    if meta is None:
+        raise SketchcalError(f"cannot read {f}: it is truncated or corrupt; rerun sketchcal convert")
     try:
         with safe_open(str(f), framework="pt") as fh:
-            meta = dict(fh.metadata() or {})
-            layers = []
-            for idx in section["layers"]:
-                i = int(idx["layer"])
-                layers.append(
-                    SketchLayer(
-                        layer=i,
-                        frame=fh.get_tensor(f"layers.{i}.frame"),
-                        coef=fh.get_tensor(f"layers.{i}.coef"),
-                        ranks=fh.get_tensor(f"layers.{i}.ranks"),
-                    )
+            layers = [
+                SketchLayer(
+                    layer=i,
+                    frame=fh.get_tensor(f"layers.{i}.frame"),
+                    coef=fh.get_tensor(f"layers.{i}.coef"),
+                    ranks=fh.get_tensor(f"layers.{i}.ranks"),
                 )
-    except SketchcalError:
-        raise
+                for i in (int(idx["layer"]) for idx in section["layers"])
+            ]
     except Exception as err:
         raise SketchcalError(
             f"cannot read {f}: it is truncated or corrupt ({first_line(err)}); rerun sketchcal convert"
         ) from err
-    if meta.get("format") != SKETCH_FORMAT or meta.get("fingerprint") != section.get("fingerprint"):
-        raise SketchcalError(
-            f"{f} does not belong to {cfg_path} (format or fingerprint differ); rerun sketchcal convert"
-        )
     art = SketchArtifact(config=section, metadata=meta, layers=layers)
     if config is not None:
         check_fingerprint(art, config, what=str(d))
     return art
+
+
+def _header(path: Path) -> dict[str, str] | None:
+    """The safetensors metadata of ``path``, or None when its header cannot be read."""
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            return dict(fh.metadata() or {})
+    except Exception:
+        return None
+
+
+def check_stats(art: SketchArtifact, stats, what: str) -> None:
+    """Fail when the statistics ``stats`` (:class:`~sketchcal.formats.stats.Stats`) are not of the
+    artifact's model and window, so re-fits from them would describe another sketch."""
+    window = int(art.config.get("window", art.metadata.get("window", 0)))
+    if stats.fingerprint != art.fingerprint:
+        raise SketchcalError(
+            f"the statistics in {stats.path} are of another model (fingerprint {short(stats.fingerprint)}, "
+            f"{what}: {short(art.fingerprint)}); pass the statistics it was converted from"
+        )
+    if stats.window != window:
+        raise SketchcalError(
+            f"the statistics in {stats.path} come from a window-{stats.window} calibration, {what} "
+            f"has window {window}; pass the statistics it was converted from"
+        )
+
+
+def check_base_weights(art: SketchArtifact, weights_fingerprint: str | None, source: str) -> None:
+    """Fail when the weights loaded from ``source`` are not the base weights the sketch recorded
+    (only when both fingerprints are known)."""
+    want = (art.config.get("base_model") or {}).get("weights_fingerprint")
+    if want and weights_fingerprint and want != weights_fingerprint:
+        raise SketchcalError(
+            f"{source} has other weights than the base the sketch was converted from (weights fingerprint "
+            f"{short(weights_fingerprint)}, recorded {short(want)}); use that base model"
+        )
 
 
 def check_fingerprint(art: SketchArtifact, config, what: str = "the sketch") -> None:

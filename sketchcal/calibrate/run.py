@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import math
 import resource
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -16,6 +17,7 @@ import sketchcal
 from sketchcal.calibrate.distributed import World, init_world
 from sketchcal.calibrate.fisher import output_weights
 from sketchcal.calibrate.plots import spectra_plot
+from sketchcal.calibrate.preflight import check_output, check_resume
 from sketchcal.calibrate.stats import LayerStats
 from sketchcal.errors import SketchcalError
 from sketchcal.formats.stats import (
@@ -233,11 +235,11 @@ def run_calibration(settings: CalibrateSettings) -> dict[str, Any]:
     s = settings = settings.for_device(dev)
     if world.is_main:
         prepare_out_dir(out, resume=s.resume, overwrite=s.overwrite, clear=False)
-
-    from rich.console import Console
+        check_output(s)
+    created = not out.exists()
 
     from sketchcal.data import build_samples
-    from sketchcal.ui import console, progress_bar, summary_table
+    from sketchcal.ui import console, progress_bar
 
     loaded = load_model(
         s.model,
@@ -258,6 +260,7 @@ def run_calibration(settings: CalibrateSettings) -> dict[str, Any]:
     run_id = {
         "settings": s.run_identity(),
         "fingerprint": loaded.spec.fingerprint,
+        "weights": loaded.weights_fingerprint,
         "data": sample_set.info,
     }
 
@@ -277,17 +280,14 @@ def run_calibration(settings: CalibrateSettings) -> dict[str, Any]:
     if s.resume:
         state, totals = load_progress(out) if world.is_main else ({}, {})
         state = world.broadcast_object(state)
-        if state.get("run") != run_id:
-            raise SketchcalError(
-                f"the interrupted run in {out} used other settings, model or data; rerun it with the same "
-                "arguments, or start again with --overwrite"
-            )
+        check_resume(state.get("run") or {}, run_id, out)
         start = state["round_done"]
         runner.counters = _Counters(**state["counters"])
         for st in runner.stats.values():
             st.stop_keeping_windows()  # the held-out sample is taken in round 0, already saved
 
     t_start = time.perf_counter()
+    saved = start > 0
     try:
         with progress_bar(enabled=s.progress and world.is_main) as bar:
             task = bar.add_task(f"calibrating {loaded.model_id}", total=rounds, completed=start)
@@ -295,15 +295,18 @@ def run_calibration(settings: CalibrateSettings) -> dict[str, Any]:
                 gb = r * world.size + world.rank
                 if gb < len(batches):
                     runner.process(batches[gb])
-                if (r + 1) % s.save_every == 0 or r + 1 == rounds:
-                    runner.reduce_into(totals)
-                    if world.is_main:
-                        _check_finite(totals)
-                        state = {"run": run_id, "counters": asdict(runner.counters)}
-                        save_progress(out, r + 1, totals, state)
+                # every round's sums are added in round order, so --save-every does not change the result
+                runner.reduce_into(totals)
+                if ((r + 1) % s.save_every == 0 or r + 1 == rounds) and world.is_main:
+                    _check_finite(totals)
+                    state = {"run": run_id, "counters": asdict(runner.counters)}
+                    save_progress(out, r + 1, totals, state)
+                    saved = True
                 bar.update(task, advance=1)
-    except KeyboardInterrupt:
-        if world.is_main:
+    except BaseException as err:
+        if world.is_main and created and not saved:
+            shutil.rmtree(out, ignore_errors=True)  # nothing to resume: leave no empty directory behind
+        if isinstance(err, KeyboardInterrupt) and world.is_main and saved:
             console.print(
                 f"[yellow]interrupted; rerun with --resume to continue from the last saved round in {out}"
             )
@@ -341,6 +344,7 @@ def run_calibration(settings: CalibrateSettings) -> dict[str, Any]:
             "model_type": loaded.spec.arch.model_type,
             "family": loaded.spec.family,
             "fingerprint": loaded.spec.fingerprint,
+            "weights_fingerprint": loaded.weights_fingerprint,
             "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
         },
         "data": sample_set.info,
@@ -358,8 +362,5 @@ def run_calibration(settings: CalibrateSettings) -> dict[str, Any]:
     }
     manifest = write_final(out, totals, manifest)
     spectra_plot(out / "calibration.png", manifest, totals)
-    results = Console()  # the summary is a result: stdout; progress and notes go to stderr
-    results.print(summary_table(manifest, totals))
-    results.print(f"statistics in {out}/ · spectra plot {out / 'calibration.png'}")
     world.barrier()
     return manifest

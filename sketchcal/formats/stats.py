@@ -39,7 +39,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from sketchcal.errors import SketchcalError, first_line
-from sketchcal.fsutil import atomic_path, write_json
+from sketchcal.fsutil import atomic_path, remove_stale_temporaries, write_json
 
 FORMAT = "sketchcal-stats"
 VERSION = 2
@@ -122,7 +122,13 @@ def prepare_out_dir(out: Path, *, resume: bool, overwrite: bool, clear: bool = T
         raise SketchcalError("--resume and --overwrite contradict each other; give one")
     if out.exists() and not out.is_dir():
         raise SketchcalError(f"{out} exists and is not a directory; choose another --out")
+    remove_stale_temporaries(out)  # of writers killed in an earlier run
     entries = sorted(p.name for p in out.iterdir()) if out.exists() else []
+    if PROGRESS in entries and not (out / PROGRESS / PROGRESS_STATE).exists():
+        # a run killed before its first save: nothing to resume, nothing to keep
+        if clear and not resume:
+            shutil.rmtree(out / PROGRESS, ignore_errors=True)
+        entries.remove(PROGRESS)
     if resume:
         if (out / MANIFEST).exists() and read_manifest(out, require_complete=False).get("complete"):
             raise SketchcalError(f"{out} already holds a complete calibration; nothing to resume")

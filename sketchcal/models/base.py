@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
 from torch import Tensor, nn
 
 from sketchcal.kernels.common import StepInputs
@@ -41,19 +42,30 @@ def first_output(result: Any) -> Tensor:
 
 
 def delta_rule_terms(
-    args: dict[str, Any], l2norm: Callable[[Tensor], Tensor]
+    args: dict[str, Any], l2norm: Callable[[Tensor], Tensor], dtype: torch.dtype = torch.float64
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None]:
     """What a delta-rule kernel function (GDN, KDA) computes from its arguments before its own query
     scaling: ``(q, k, w, beta, decay, initial_state)`` with q, k in float32 (l2-normed by ``l2norm``
-    when the call asks for it), ``beta`` [B, T, H], ``decay = exp(g)`` and ``w = β v`` in float64,
-    and the initial state in float64 or None."""
+    when the call asks for it), ``beta`` [B, T, H], ``decay = exp(g)`` and ``w = β v`` in ``dtype``,
+    and the initial state in ``dtype`` or None."""
     q, k, v = (args[n].float() for n in ("query", "key", "value"))
     if args.get("use_qk_l2norm_in_kernel"):
         q, k = l2norm(q), l2norm(k)
-    beta = args["beta"].float().double()
-    decay = args["g"].float().double().exp()
+    beta = args["beta"].float().to(dtype)
+    decay = args["g"].float().to(dtype).exp()
     state = args.get("initial_state")
-    return q, k, beta[..., None] * v.double(), beta, decay, None if state is None else state.double()
+    return q, k, beta[..., None] * v.to(dtype), beta, decay, None if state is None else state.to(dtype)
+
+
+def fused_delta_rule_inputs(args: dict[str, Any], dtype: torch.dtype) -> StepInputs:
+    """A GDN / KDA call's decode inputs in the kernels' layout (k, q per group; k, q, w in
+    ``dtype``), from one Triton kernel (:mod:`sketchcal.kernels.common.prepare`); the adapters'
+    ``inputs`` is its reference."""
+    from sketchcal.kernels.common.prepare import delta_rule_inputs
+
+    names = ("query", "key", "value", "g", "beta")
+    l2norm = bool(args.get("use_qk_l2norm_in_kernel"))
+    return delta_rule_inputs(*(args[n] for n in names), l2norm=l2norm, dtype=dtype)
 
 
 class FamilyAdapter(Protocol):
@@ -61,8 +73,11 @@ class FamilyAdapter(Protocol):
 
     ``prefill_fn`` / ``decode_fn`` name the module-level functions the mixers call (chunked prefill
     and single-token decode). The conversions replay the functions' own preprocessing (l2 norms,
-    query scaling, dt softplus and limits, group expansion) and return float64 tensors in the
+    query scaling, dt softplus and limits, group expansion) and return tensors of ``dtype`` (float64
+    for the references and capture, float32 for the kernels, which take no more) in the
     design's key-major layout: k, q [B, T, H, K]; w [B, T, H, V]; decay [B, T, H] or [B, T, H, K].
+    The delta-rule adapters also have ``fused_inputs(args, dtype)``: the same inputs in the decode
+    kernels' layout, from one Triton kernel (the triton backend's path; ``inputs`` is its reference).
     """
 
     family: str
@@ -72,9 +87,14 @@ class FamilyAdapter(Protocol):
     def layer_shape(self, mixer: nn.Module) -> LayerShape: ...
 
     def inputs(
-        self, kind: str, args: dict[str, Any], *, step_dynamics: bool = False
+        self,
+        kind: str,
+        args: dict[str, Any],
+        dtype: torch.dtype = torch.float64,
+        *,
+        step_dynamics: bool = False,
     ) -> tuple[StepInputs, Tensor | None]:
-        """``(inputs, initial_state)``; the state is key-major [B, H, K, V] float64, or None.
+        """``(inputs, initial_state)``; the state is key-major [B, H, K, V] ``dtype``, or None.
 
         ``step_dynamics``: convert a chunked call's tokens as the one-token function would compute
         them (where the two differ: Mamba-2's chunked function limits dt, its step does not)."""

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from sketchcal.kernels.common import StepInputs
-from sketchcal.models.base import LayerShape, delta_rule_terms, first_output
+from sketchcal.models.base import LayerShape, delta_rule_terms, first_output, fused_delta_rule_inputs
 
 
 def _l2norm(x: Tensor) -> Tensor:
@@ -31,13 +31,20 @@ class GdnAdapter:
         return LayerShape(mixer.layer_idx, heads, groups, mixer.head_k_dim, mixer.head_v_dim)
 
     def inputs(
-        self, kind: str, args: dict[str, Any], *, step_dynamics: bool = False
+        self,
+        kind: str,
+        args: dict[str, Any],
+        dtype: torch.dtype = torch.float64,
+        *,
+        step_dynamics: bool = False,
     ) -> tuple[StepInputs, Tensor | None]:  # both functions compute the same dynamics
-        q, k, w, beta, decay, state = delta_rule_terms(args, _l2norm)
+        q, k, w, beta, decay, state = delta_rule_terms(args, _l2norm, dtype)
         q = q * q.shape[-1] ** -0.5
         rep = w.shape[-2] // k.shape[-2]  # value heads per key head
-        q, k = (t.repeat_interleave(rep, dim=-2).double() for t in (q, k))
+        q, k = (t.repeat_interleave(rep, dim=-2).to(dtype) for t in (q, k))
         return StepInputs(k=k, q=q, w=w, decay=decay, beta=beta), state
+
+    fused_inputs = staticmethod(fused_delta_rule_inputs)
 
     def pre_gate_output(self, kind: str, result: Any) -> Tensor:
         return first_output(result)

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from sketchcal.kernels.common import StepInputs
-from sketchcal.models.base import LayerShape, delta_rule_terms, first_output
+from sketchcal.models.base import LayerShape, delta_rule_terms, first_output, fused_delta_rule_inputs
 
 
 def _l2norm(x: Tensor) -> Tensor:
@@ -30,11 +30,18 @@ class KdaAdapter:
         return LayerShape(mixer.layer_idx, mixer.num_heads, mixer.num_heads, mixer.head_dim, mixer.head_dim)
 
     def inputs(
-        self, kind: str, args: dict[str, Any], *, step_dynamics: bool = False
+        self,
+        kind: str,
+        args: dict[str, Any],
+        dtype: torch.dtype = torch.float64,
+        *,
+        step_dynamics: bool = False,
     ) -> tuple[StepInputs, Tensor | None]:  # both functions compute the same dynamics
-        q, k, w, beta, decay, state = delta_rule_terms(args, _l2norm)
+        q, k, w, beta, decay, state = delta_rule_terms(args, _l2norm, dtype)
         q = q * (1 / q.shape[-1] ** 0.5)
-        return StepInputs(k=k.double(), q=q.double(), w=w, decay=decay, beta=beta), state
+        return StepInputs(k=k.to(dtype), q=q.to(dtype), w=w, decay=decay, beta=beta), state
+
+    fused_inputs = staticmethod(fused_delta_rule_inputs)
 
     def pre_gate_output(self, kind: str, result: Any) -> Tensor:
         return first_output(result)

@@ -36,7 +36,12 @@ class Mamba2Adapter:
         )
 
     def inputs(
-        self, kind: str, args: dict[str, Any], *, step_dynamics: bool = False
+        self,
+        kind: str,
+        args: dict[str, Any],
+        dtype: torch.dtype = torch.float64,
+        *,
+        step_dynamics: bool = False,
     ) -> tuple[StepInputs, Tensor | None]:
         if kind == "prefill":
             x, dt, A, B, C = (args[n] for n in ("hidden_states", "dt", "A", "B", "C"))
@@ -60,14 +65,14 @@ class Mamba2Adapter:
         if kind == "prefill" and not step_dynamics:  # the one-token function applies no dt limit
             lo, hi = args.get("dt_limit", (0.0, float("inf")))
             dt = torch.clamp(dt, min=lo, max=hi)
-        dt = dt.float().double()
-        x = x.float().double()
+        dt = dt.float().to(dtype)
+        x = x.float().to(dtype)
         rep = x.shape[-2] // B.shape[-2]
-        k, q = (t.float().double().repeat_interleave(rep, dim=-2) for t in (B, C))
-        decay = torch.exp(dt * A.float().double())
-        skip = None if D is None else D.float().double()[:, None] * x
+        k, q = (t.float().to(dtype).repeat_interleave(rep, dim=-2) for t in (B, C))
+        decay = torch.exp(dt * A.float().to(dtype))
+        skip = None if D is None else D.float().to(dtype)[:, None] * x
         inputs = StepInputs(k=k, q=q, w=dt[..., None] * x, decay=decay, beta=None, skip=skip)
-        return inputs, None if state is None else state.double().transpose(-1, -2)
+        return inputs, None if state is None else state.to(dtype).transpose(-1, -2)
 
     def pre_gate_output(self, kind: str, result: Any) -> Tensor:
         out = first_output(result)

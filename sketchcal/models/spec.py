@@ -82,3 +82,20 @@ def describe(model: nn.Module) -> ModelSpec:
             f"nothing to calibrate; sketchcal supports {supported_summary()}"
         )
     return spec
+
+
+def describe_config(config) -> ModelSpec:
+    """:func:`describe` of the model ``config`` defines, built on the ``meta`` device (no weights
+    read, no memory allocated)."""
+    import torch
+    import transformers as tf
+
+    if getattr(config, "model_type", None) not in ARCHITECTURES:
+        name = ", ".join(getattr(config, "architectures", None) or ["?"])
+        raise SketchcalError(
+            f"unsupported architecture {getattr(config, 'model_type', None)!r} ({name}): "
+            f"sketchcal supports {supported_summary()}"
+        )
+    with torch.device("meta"):
+        model = tf.AutoModelForCausalLM.from_config(config)
+    return describe(model)

@@ -6,7 +6,9 @@ in transformers' ``StaticCache`` (fixed addresses, positions advanced by a devic
 recurrent layers keep their conv states there too and their recurrent state wherever the model's
 decode function keeps it (the model's own cache tensor without a runtime; the runtime's slot pool
 with :func:`sketchcal.runtime.enable`), and the whole one-token forward, argmax included, is
-captured once and replayed.
+captured once and replayed. SDPA attention layers run
+:func:`~sketchcal.runtime.attention.grouped_decode_attention`, which reads the static cache once
+per key head instead of once per query head.
 
 Window phases. In ``replay`` and ``sketch`` modes the work of a step depends on its position p in
 the window (p = L − 1 is the flush), so one graph is captured per phase, in window order, and
@@ -31,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from sketchcal.errors import SketchcalError
+from sketchcal.runtime.attention import decode_attention
 from sketchcal.runtime.patch import Runtime, runtime_of
 
 
@@ -108,33 +111,34 @@ class GraphDecoder:
         mirror = self.runtime.mirror_cache if self.runtime is not None else None
         if self.runtime is not None:
             self.runtime.mirror_cache = False
-        try:
-            logits = self._forward(ids, cache)
-            out = torch.empty(batch, max_new_tokens, dtype=ids.dtype, device=self.device)
-            token = logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]: the static input of every step
-            out[:, 0] = token[:, 0]
-            if self.release_cache:
-                _release_recurrent_tensors(cache)
-            prefill_s = clock.lap()
+        with decode_attention(self.model):
+            try:
+                logits = self._forward(ids, cache)
+                out = torch.empty(batch, max_new_tokens, dtype=ids.dtype, device=self.device)
+                token = logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]: the static input of every step
+                out[:, 0] = token[:, 0]
+                if self.release_cache:
+                    _release_recurrent_tensors(cache)
+                prefill_s = clock.lap()
 
-            def step() -> None:
-                token.copy_(self._forward(token, cache)[:, -1].argmax(-1, keepdim=True))
+                def step() -> None:
+                    token.copy_(self._forward(token, cache)[:, -1].argmax(-1, keepdim=True))
 
-            steps = max_new_tokens - 1
-            eager = steps if not self.graphs else min(steps, self.phases)
-            for t in range(eager):
-                step()
-                out[:, 1 + t] = token[:, 0]
-            warmup_s = clock.lap()
-            graphs = self._capture(step) if steps > eager else []
-            capture_s = clock.lap()
-            for i, t in enumerate(range(eager, steps)):
-                graphs[i % len(graphs)].replay()
-                out[:, 1 + t] = token[:, 0]
-            decode_s = clock.lap()
-        finally:
-            if self.runtime is not None:
-                self.runtime.mirror_cache = mirror
+                steps = max_new_tokens - 1
+                eager = steps if not self.graphs else min(steps, self.phases)
+                for t in range(eager):
+                    step()
+                    out[:, 1 + t] = token[:, 0]
+                warmup_s = clock.lap()
+                graphs = self._capture(step) if steps > eager else []
+                capture_s = clock.lap()
+                for i, t in enumerate(range(eager, steps)):
+                    graphs[i % len(graphs)].replay()
+                    out[:, 1 + t] = token[:, 0]
+                decode_s = clock.lap()
+            finally:
+                if self.runtime is not None:
+                    self.runtime.mirror_cache = mirror
         self.last_times = DecodeTimes(prefill_s, warmup_s, capture_s, decode_s, steps - eager)
         return torch.cat([ids, out], dim=1)
 

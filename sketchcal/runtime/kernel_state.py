@@ -137,7 +137,8 @@ def kernel_tables(layer: SketchLayer, family: str, *, heads: int, key_dim: int, 
 
 def kernel_inputs(x: StepInputs, groups: int, dtype: torch.dtype) -> StepInputs:
     """Runtime-layout inputs (k, q per head) → kernel layout (k, q per group), contiguous: k, q, w and
-    skip in ``dtype``, decay and beta in fp32."""
+    skip in ``dtype``, decay and beta in fp32. Kernel-layout inputs already in those dtypes (an
+    adapter's ``fused_inputs``) pass through without a copy."""
     rep = x.num_heads // groups
 
     def cast(t: Tensor | None, dt: torch.dtype) -> Tensor | None:
@@ -160,10 +161,20 @@ def _tokens(x: StepInputs, start: int, stop: int) -> StepInputs:
     return x.tokens(slice(start, stop)).map(Tensor.contiguous)
 
 
+def _joined(outs: list[Tensor], out_dtype: torch.dtype | None) -> Tensor:
+    """The outputs of consecutive kernel calls along T, in ``out_dtype`` (None: as they are)."""
+    return _as(outs[0] if len(outs) == 1 else torch.cat(outs, dim=1), out_dtype)
+
+
+def _as(out: Tensor, dtype: torch.dtype | None) -> Tensor:
+    return out if dtype is None else out.to(dtype)
+
+
 class KernelStandardState:
     """The full fp32 state in a standard pool, read and written by ``standard_step`` at every token."""
 
     mode = "standard"
+    input_dtype = torch.float32  # of k, q and w (the kernels' layout; see kernel_inputs)
 
     def __init__(
         self, family: str, state: Tensor, *, groups: int, layer: int | None = None, probe: Probe | None = None
@@ -180,11 +191,11 @@ class KernelStandardState:
     def ckpt(self) -> Checkpoint:
         return Checkpoint(self.pool.state, None, None)
 
-    def step(self, x: StepInputs) -> Tensor:
-        """Feed T tokens in sequence; outputs [B, T, H, V] fp32."""
+    def step(self, x: StepInputs, out_dtype: torch.dtype | None = torch.float32) -> Tensor:
+        """Feed T tokens in sequence; outputs [B, T, H, V] in ``out_dtype`` (None: the kernel's, fp32)."""
         self._saved = None
-        out = standard_step(self.family, self.pool, self.slots, kernel_inputs(x, self.groups, torch.float32))
-        return out.float()
+        xk = kernel_inputs(x, self.groups, self.input_dtype)
+        return _as(standard_step(self.family, self.pool, self.slots, xk), out_dtype)
 
     def draft(self, x: StepInputs) -> Tensor:
         """Outputs of T draft tokens, one kernel call each; the T + 1 states are kept for :meth:`accept`."""
@@ -249,6 +260,11 @@ class KernelWindowState:
         return "replay" if self.tables is None else "sketch"
 
     @property
+    def input_dtype(self) -> torch.dtype:
+        """The dtype of k, q and w in the kernels' layout (the buffer's)."""
+        return self.buffer_dtype
+
+    @property
     def ckpt(self) -> Checkpoint:
         return Checkpoint(self.pool.state, self.pool.read, self.pool.sketch)
 
@@ -290,8 +306,9 @@ class KernelWindowState:
 
     # ---- decoding ----------------------------------------------------------------------------
 
-    def step(self, x: StepInputs) -> Tensor:
-        """Feed T tokens (any T) as decode steps, flushing in place; outputs [B, T, H, V] fp32."""
+    def step(self, x: StepInputs, out_dtype: torch.dtype | None = torch.float32) -> Tensor:
+        """Feed T tokens (any T) as decode steps, flushing in place; outputs [B, T, H, V] in
+        ``out_dtype`` (None: the kernels', the buffer dtype)."""
         self._drafted, self._crossed = 0, False
         xk = kernel_inputs(x, self.groups, self.buffer_dtype)
         outs, start, total = [], 0, xk.num_tokens
@@ -304,7 +321,7 @@ class KernelWindowState:
                 outs.append(self._flush(self.pool, _tokens(xk, start, start + 1)))
                 self.pos, start = 0, start + 1
                 self._committed_flush()
-        return torch.cat(outs, dim=1).float()
+        return _joined(outs, out_dtype)
 
     def draft(self, x: StepInputs) -> Tensor:
         """Append T (1 ≤ T ≤ L) tokens after the committed ones; returns their outputs [B, T, H, V].
@@ -331,7 +348,7 @@ class KernelWindowState:
             if t > before + 1:
                 outs.append(self._read(nxt, 0, _tokens(xk, before + 1, t)))
         self._drafted = t
-        return torch.cat(outs, dim=1).float()
+        return _joined(outs, torch.float32)
 
     def accept(self, k: int) -> None:
         """Keep the first ``k`` drafted tokens (0 ≤ k ≤ T); the rest are forgotten (a cursor move)."""

@@ -293,7 +293,7 @@ class Runtime:
         if not fresh:  # decode steps continuing a cached state
             state = self._resume(registry, layer, s_in, named)
             flushes = state.flushes
-            out = state.step(self._inputs(kind, named))
+            out = self._step(state, kind, named)
             if not self.mirror_cache and kind == "decode":  # the cache's tensor is handed back untouched
                 return glue.decode_result(named, out, s_in)
             ckpt_hf = glue.from_key_major(state.ckpt.state).float()
@@ -313,8 +313,11 @@ class Runtime:
         registry[layer] = state
         outs = [out0.float()]
         if n0 < n_tokens:
-            outs.append(state.step(self._inputs("prefill", rest)).float())
-        ckpt_hf = glue.from_key_major(state.ckpt.state).float()
+            outs.append(self._step(state, "prefill", rest).float())
+        if self.mirror_cache:
+            ckpt_hf = glue.from_key_major(state.ckpt.state).float()
+        else:  # the pool is the only copy: the cache gets an empty placeholder, not a second state
+            ckpt_hf = s_hf.new_empty((*s_hf.shape[:-1], 0))
         return glue.prefill_result(named, torch.cat(outs, dim=1), ckpt_hf)
 
     def _resume(self, registry: dict[int, Any], layer: int, s_hf: Tensor, named) -> Any:
@@ -330,8 +333,18 @@ class Runtime:
             registry[layer] = state
         return state
 
+    def _step(self, state: Any, kind: str, named: dict[str, Any]) -> Tensor:
+        """Decode steps of ``named``'s tokens in ``state``: outputs [B, T, H, V] (the triton backend:
+        in the kernels' dtype, which the call's result casts once to the model's)."""
+        if self.backend != "triton":
+            return state.step(self._inputs(kind, named))
+        fused = getattr(self.spec.adapter, "fused_inputs", None)
+        x = self._inputs(kind, named) if fused is None else fused(named, state.input_dtype)
+        return state.step(x, out_dtype=None)
+
     def _inputs(self, kind: str, named: dict[str, Any]):
-        return self.spec.adapter.inputs(kind, named, step_dynamics=True)[0]  # decode steps
+        dtype = torch.float32 if self.backend == "triton" else torch.float64  # what the kernels take
+        return self.spec.adapter.inputs(kind, named, dtype, step_dynamics=True)[0]  # decode steps
 
     def _own_prefill(
         self, impl: Callable, call: tuple[tuple, dict[str, Any]], named: dict[str, Any], n0: int, layer: int

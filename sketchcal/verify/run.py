@@ -26,11 +26,11 @@ import torch
 from torch import nn
 
 from sketchcal.artifact.convert import fit_sketch, sketch_section, traffic_models
-from sketchcal.artifact.sketch import SketchArtifact, read_sketch
+from sketchcal.artifact.sketch import SketchArtifact, check_base_weights, check_stats, read_sketch
 from sketchcal.errors import SketchcalError
 from sketchcal.fit.ranks import SUPPORTED_RANKS
 from sketchcal.formats.stats import Stats, load_stats
-from sketchcal.fsutil import finite_json
+from sketchcal.fsutil import check_writable, finite_json
 from sketchcal.models import ModelSpec
 from sketchcal.runtime import enabled
 from sketchcal.runtime.precision import dtype_name, parse_dtype
@@ -141,6 +141,8 @@ def _load(model_dir: Path, baseline: str | None, device: str, dtype: str):
             )
     loaded = load_model(source, device=device, dtype=dtype)
     read_sketch(model_dir, config=loaded.model.config)  # fingerprint check against the loaded model
+    if source != str(model_dir):
+        check_base_weights(art, loaded.weights_fingerprint, source)
     return loaded, art
 
 
@@ -202,6 +204,7 @@ class Refits:
                 base_id=base.get("id"),
                 base_revision=base.get("revision"),
                 weights="reference",
+                weights_fingerprint=base.get("weights_fingerprint"),
             )
             # no file behind it: the metadata holds what the runtime checks, the fingerprint
             self._done[key] = SketchArtifact(
@@ -365,12 +368,10 @@ verify.__signature__ = api_signature(VerifySettings, "model_dir")  # type: ignor
 
 def run_verify(settings: VerifySettings) -> VerifyResult:
     """:func:`verify` for a settings object."""
-    from rich.console import Console
-
     from sketchcal.data import build_samples
     from sketchcal.hub.resolve import is_hub_id, resolve
     from sketchcal.ui import progress_bar
-    from sketchcal.verify.report import print_table, write_report
+    from sketchcal.verify.report import write_report
 
     s = settings
     out_dir = s.out
@@ -379,12 +380,17 @@ def run_verify(settings: VerifySettings) -> VerifyResult:
     model_dir = resolve(s.model_dir, revision=s.revision)
     out_dir = out_dir if out_dir is not None else model_dir / "verify"
     prompt, tokens, batch_size = s.prompt, s.tokens, s.batch_size
-    stats_dir = _stats_dir(read_sketch(model_dir), s.stats)
+    sketch = read_sketch(model_dir)
+    stats_dir = _stats_dir(sketch, s.stats)
+    stats = load_stats(stats_dir) if stats_dir is not None else None
+    if stats is not None:
+        check_stats(sketch, stats, f"the sketch in {model_dir}")
     if s.rank and stats_dir is None:
         raise SketchcalError(
             "--rank re-fits the sketch from its calibration statistics, which were not found; "
             "pass the statistics directory (stats=DIR / --stats DIR)"
         )
+    check_writable(out_dir, 2**24, f"the verify report in {out_dir}")
     loaded, art = _load(model_dir, s.baseline, s.device, s.dtype)
     spec, model, dev = loaded.spec, loaded.model, loaded.device
     window = int(art.config.get("window", art.metadata.get("window", 16)))
@@ -409,7 +415,7 @@ def run_verify(settings: VerifySettings) -> VerifyResult:
             loaded.tokenizer, [row[:prompt] for row in sample_set.heldout], tokens, seed=s.seed
         )
 
-    refits = Refits(load_stats(stats_dir), art) if stats_dir is not None else None
+    refits = Refits(stats, art) if stats is not None else None
     cfgs = _configs(art, read_dtype, refits, s.rank, s.ablations, notes)
     metrics = {c.name: TokenMetrics(window) for c in cfgs}
     meters = {c.name: ReadErrorMeter(window) for c in cfgs}
@@ -491,8 +497,7 @@ def run_verify(settings: VerifySettings) -> VerifyResult:
         notes=notes,
     )
     result.files = write_report(result, out_dir, plots=s.plots)
-    print_table(result, Console())  # the table is a result: stdout; progress goes to stderr
-    return result
+    return result  # the CLI prints its table (stdout) or JSON
 
 
 def _command(s: VerifySettings) -> str:

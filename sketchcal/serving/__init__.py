@@ -1,0 +1,1 @@
+"""Serving-engine integrations: :mod:`sketchcal.serving.vllm`, the vLLM plugin."""

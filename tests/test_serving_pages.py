@@ -1,0 +1,154 @@
+"""The vLLM plugin's page layout and decode branch, without vLLM: pages packed as vLLM packs them
+(one byte row per block, the layer's states one after the other), sequences in scattered blocks at
+different window positions, padding rows on the null block.
+
+References: the float64 recurrence (replay is exact) and the runtime's own decode state
+(:class:`sketchcal.runtime.state.WindowState`, another code path over the same math) for sketch.
+"""
+
+from __future__ import annotations
+
+from math import prod
+
+import pytest
+import torch
+
+from sketchcal.errors import SketchcalError
+from sketchcal.kernels.common import StepInputs, family, recurrence
+from sketchcal.kernels.common.pool import random_sketch
+from sketchcal.runtime.precision import Precision
+from sketchcal.runtime.state import WindowState
+from sketchcal.serving.vllm.decode import NULL_BLOCK, WindowDecoder
+from sketchcal.serving.vllm.page import PagePlan
+
+H, G, K, V, L = 4, 2, 16, 16, 4
+BLOCKS = 7
+RANKS = [4, 8, 0, 12]
+
+
+def pack_pages(shapes, dtypes, blocks: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Raw pages [blocks, bytes] and the per-state views [blocks, *shape], as vLLM binds them."""
+    sizes = [prod(s) * d.itemsize for s, d in zip(shapes, dtypes, strict=True)]
+    raw = torch.zeros(blocks, sum(sizes) + 24, dtype=torch.uint8)  # + vLLM's padding
+    views, offset = [], 0
+    for shape, dtype, size in zip(shapes, dtypes, sizes, strict=True):
+        views.append(raw[:, offset : offset + size].view(dtype).view(-1, *shape))
+        offset += size
+    return raw, views
+
+
+def random_inputs(fam: str, steps: int, gen: torch.Generator) -> StepInputs:
+    """One sequence's inputs in the reference layout [T, H, ...], float32 values (keys shared per group)."""
+    k = torch.randn(steps, G, K, generator=gen)
+    q = torch.randn(steps, G, K, generator=gen) / K**0.5
+    if fam != "mamba2":
+        k = k / k.norm(dim=-1, keepdim=True)
+    rep = H // G
+    dshape = (steps, H, K) if fam == "kda" else (steps, H)
+    return StepInputs(
+        k=k.repeat_interleave(rep, 1),
+        q=q.repeat_interleave(rep, 1),
+        w=torch.randn(steps, H, V, generator=gen),
+        decay=0.8 + 0.2 * torch.rand(dshape, generator=gen),
+        beta=None if fam == "mamba2" else torch.rand(steps, H, generator=gen),
+        skip=torch.randn(steps, H, V, generator=gen) if fam == "mamba2" else None,
+    )
+
+
+def kernel_layout(xs: list[StepInputs], t: int) -> StepInputs:
+    """Token t of several sequences as one kernel-layout batch [B, 1, ...] (keys per group)."""
+    tok = [x.tokens(slice(t, t + 1)) for x in xs]
+    cat = {n: None if getattr(tok[0], n) is None else torch.stack([getattr(x, n) for x in tok]) for n in
+           ("k", "q", "w", "decay", "beta", "skip")}  # fmt: skip
+    cat["k"], cat["q"] = cat["k"][:, :, :: H // G].contiguous(), cat["q"][:, :, :: H // G].contiguous()
+    return StepInputs(**cat)
+
+
+@pytest.mark.parametrize("fam", ["mamba2", "gdn", "kda"])
+@pytest.mark.parametrize("mode", ["replay", "sketch"])
+def test_pages_decode_as_the_reference(fam, mode):
+    gen = torch.Generator().manual_seed(0)
+    tables = random_sketch(fam, RANKS, G, K, gen) if mode == "sketch" else None
+    rows = 0 if tables is None else tables.map_rows
+    plan = PagePlan(fam, H, G, K, V, L, torch.float32, torch.float32, rows)
+    # vLLM's own states first: a conv state and the recurrent state, value-major [H, V, K] like Mamba-2's
+    raw, views = pack_pages(((3, 8), (H, V, K), *plan.shapes), (torch.float32,) * 2 + plan.dtypes, BLOCKS)
+    pool, cursor = plan.pool(views[1].transpose(-1, -2), views[2:])
+    decoder = WindowDecoder(fam, L, tables)
+
+    # three sequences in blocks 5, 2, 3, starting at steps 0, 2 and 5 from random states
+    blocks, starts, steps = [5, 2, 3], [0, 2, 5], 14
+    xs = [random_inputs(fam, steps, gen) for _ in blocks]
+    s0 = [torch.randn(H, K, V, generator=gen) * 0.3 for _ in blocks]
+    fam_ref = family(fam)
+    refs = [WindowState(fam, s.double()[None], window=L, precision=Precision(compute_dtype=torch.float64),
+                        tables=tables) for s in s0]  # fmt: skip
+    outs: list[list[torch.Tensor]] = [[] for _ in blocks]
+    views[0][NULL_BLOCK] = 7.0  # whatever the null block holds stays there
+    null_before = raw[NULL_BLOCK].clone()
+    for step in range(steps):
+        for i, (b, start) in enumerate(zip(blocks, starts, strict=True)):
+            if step == start:  # vLLM's prefill wrote the state; the window restarts
+                cursor[b] = 3  # a stale cursor from the block's previous owner
+                views[1][b] = s0[i].transpose(-1, -2)
+                decoder.settle(pool, cursor, torch.tensor([b]), buffered=False)
+        live = [i for i, start in enumerate(starts) if step >= start]
+        order = live[::-1]  # rows in any order, with padding rows between them
+        rows = [blocks[i] for i in order]
+        batch = kernel_layout([xs[i].tokens(slice(step - starts[i], None)) for i in order], 0)
+        batch = batch.map(lambda t: torch.cat([t, t.new_zeros((2, *t.shape[1:]))]))  # two padding rows
+        ids = torch.tensor([*rows, NULL_BLOCK, NULL_BLOCK])
+        out = decoder.step(pool, cursor, ids, batch)
+        assert torch.equal(out[len(rows) :], torch.zeros_like(out[len(rows) :]))
+        for r, i in enumerate(order):
+            outs[i].append(out[r, 0])
+            assert int(cursor[blocks[i]]) == (step - starts[i] + 1) % L
+    assert torch.equal(raw[NULL_BLOCK], null_before)
+    for i in range(len(blocks)):
+        x = xs[i].tokens(slice(0, steps - starts[i])).map(lambda t: t[None].double())
+        got = torch.stack(outs[i]).double()
+        if mode == "replay":  # exact: the plain recurrence from the same state
+            want, _ = recurrence(fam_ref, x, s0[i].double()[None])
+        else:
+            want = refs[i].step(x)
+        torch.testing.assert_close(got, want[0], rtol=1e-5, atol=1e-5)
+        # the checkpoint in the page is the exact state at the last flush
+        n = (steps - starts[i]) // L * L
+        _, s_flush = recurrence(fam_ref, x.tokens(slice(0, n)), s0[i].double()[None])
+        torch.testing.assert_close(pool.state[blocks[i]].double(), s_flush[0], rtol=1e-5, atol=1e-5)
+
+
+def test_fold_before_vllm_continues_a_sequence():
+    """``settle(buffered=True)`` folds the buffer into the checkpoint: the exact current state."""
+    gen = torch.Generator().manual_seed(1)
+    plan = PagePlan("gdn", H, G, K, V, L, torch.float32, torch.float32, 0)
+    _, views = pack_pages(((H, V, K), *plan.shapes), (torch.float32, *plan.dtypes), BLOCKS)
+    pool, cursor = plan.pool(views[0].transpose(-1, -2), views[1:])
+    dec = WindowDecoder("gdn", L, None)
+    s0 = torch.randn(H, K, V, generator=gen) * 0.3
+    views[0][4] = s0.transpose(-1, -2)
+    dec.settle(pool, cursor, torch.tensor([4]), buffered=False)
+    x = random_inputs("gdn", 2, gen)
+    for t in range(2):
+        dec.step(pool, cursor, torch.tensor([4]), kernel_layout([x], t))
+    assert int(cursor[4]) == 2
+    dec.settle(pool, cursor, torch.tensor([4]), buffered=True)
+    _, want = recurrence(family("gdn"), x.map(lambda t: t[None].double()), s0.double()[None])
+    torch.testing.assert_close(pool.state[4].double(), want[0], rtol=1e-5, atol=1e-5)
+    assert int(cursor[4]) == 0
+
+
+def test_page_plan_layout():
+    plan = PagePlan("kda", H, G, K, V, L, torch.bfloat16, torch.bfloat16, 8)
+    names = [n for n, _, _ in plan.entries()]
+    assert names == ["read", "sketch", "buf_k", "buf_w", "buf_decay", "buf_beta", "buf_logdecay", "cursor"]
+    read_and_sketch = (H * K * V + H * 8 * V) * 2
+    # keys and values (bf16), decays and betas (fp32), log₂ decays (bf16)
+    buffers = L * (G * K + H * V) * 2 + L * H * K * 4 + L * H * 4 + L * H * K * 2
+    want = read_and_sketch + buffers + 4
+    assert plan.extra_bytes() == want
+    fp32 = PagePlan("mamba2", H, G, K, V, L, torch.float32, torch.float32, 0)
+    assert [n for n, _, _ in fp32.entries()] == ["buf_k", "buf_w", "buf_decay", "cursor"]  # reads S_c itself
+    _, views = pack_pages(((H, V, K), *fp32.shapes), (torch.bfloat16, *fp32.dtypes), 2)
+    with pytest.raises(SketchcalError, match="--mamba-ssm-cache-dtype float32"):
+        fp32.pool(views[0].transpose(-1, -2), views[1:])
