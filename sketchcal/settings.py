@@ -335,3 +335,6 @@ class VerifySettings(CommandSettings):
             from sketchcal.runtime.precision import parse_dtype
 
             parse_dtype(self.read_dtype)
+        from sketchcal.models.loading import DTYPES
+
+        _choice("dtype", self.dtype, tuple(DTYPES))
