@@ -131,6 +131,39 @@ def test_allocation_by_bytes_matches_exhaustive():
         assert alloc.predicted_kl == pytest.approx(ref[0])
 
 
+def _curves(heads: int, n: int, rng: random.Random) -> torch.Tensor:
+    out = torch.zeros(heads, n, dtype=torch.float64)
+    for h in range(heads):
+        out[h, 1:] = torch.tensor(sorted((rng.random() for _ in range(n - 1)), reverse=True))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_allocation_never_predicted_worse_than_uniform(seed):
+    """Held-out windows choose (the exhaustive optimum on them), the held-out moments, which did not
+    choose, guard: the result is never predicted worse there than every head at one rank."""
+    rng = random.Random(seed)
+    fits = [_fit(0, 2, 16, rng), _fit(1, 2, 16, rng)]
+    for f in fits:
+        f.measured, f.heldout_predicted = _curves(2, len(f.ranks), rng), _curves(2, len(f.ranks), rng)
+    traffic = [TrafficModel("gdn", 16, 16, 8, 2)] * 2
+    costs = [[r or 16 for r in f.ranks] for f in fits for _ in range(f.heads)]
+    chosen = [(f.kl_scale[h] * f.measured[h]).tolist() for f in fits for h in range(f.heads)]
+    check = [(f.kl_scale[h] * f.heldout_predicted[h]).tolist() for f in fits for h in range(f.heads)]
+    for m in (4, 8, 16):
+        alloc = allocate(fits, traffic, rank=m)
+        uniform = allocate(fits, traffic, rank=m, allocation="uniform")
+        assert alloc.mean_rank <= m and alloc.heldout_kl <= uniform.heldout_kl + 1e-12
+        best = exhaustive(costs, chosen, 4 * m)
+        on_check = sum(check[i][j] for i, j in enumerate(best[1]))
+        if on_check < uniform.heldout_kl - 1e-12:  # the optimum on the windows passes the guard
+            assert alloc.measured_kl == pytest.approx(best[0]) and not alloc.notes
+        else:  # uniform ranks
+            assert [r for lay in alloc.layers for r in lay.ranks] == [
+                r for lay in uniform.layers for r in lay.ranks
+            ]
+
+
 @pytest.mark.parametrize(
     "kw,match",
     [

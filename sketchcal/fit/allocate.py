@@ -150,6 +150,7 @@ def allocate(
     if any(t.window != window for t in traffic):
         raise ValueError("all layers must share the window length")
     selection = [selection_curves(f) for f in fits]
+    fallback = False
     costs: list[list[int]] = []
     values: list[list[float]] = []
     owners: list[tuple[int, int]] = []
@@ -172,6 +173,9 @@ def allocate(
         except InfeasibleBudget as err:
             raise _infeasible(rank, bytes_per_token, err.min_cost, n, window) from None
         choice, exact, gap = res.choice, res.exact, res.value - res.lower_bound
+        kept = _uniform_if_no_worse(fits, costs, owners, budget, choice, selection[0][1])
+        if kept is not None:
+            choice, exact, gap, fallback = kept, True, 0.0, True
     ranks = [[0] * f.heads for f in fits]
     for (li, h), j in zip(owners, choice, strict=True):
         ranks[li][h] = fits[li].ranks[j]
@@ -179,6 +183,11 @@ def allocate(
     notes = []
     if not exact:
         notes.append(f"rank allocation rounded the costs; within {gap:.2e} nats/token of the optimum")
+    if fallback:
+        notes.append(
+            "every head keeps the same rank: on the held-out moments, which did not choose the ranks, "
+            "the knapsack's allocation predicts no lower KL than uniform ranks at the same budget"
+        )
     alloc = Allocation(
         budget={"rank": float(rank)} if rank is not None else {"bytes_per_token": float(bytes_per_token)},
         allocation=allocation,
@@ -229,6 +238,41 @@ def _uniform(
         if sum(c[j] for c, j in zip(costs, choice, strict=True)) <= budget:
             return choice
     raise _infeasible(rank, bytes_per_token, sum(min(c) for c in costs), len(costs), window)
+
+
+def _uniform_if_no_worse(
+    fits: list[LayerFit],
+    costs: list[list[int]],
+    owners: list[tuple[int, int]],
+    budget: int,
+    choice: list[int],
+    selected_on: str,
+) -> list[int] | None:
+    """The uniform ranks' option indices when they fit ``budget`` and the held-out moments predict
+    them no worse than ``choice``; else None.
+
+    The knapsack minimises the curves of :func:`selection_curves` exactly, so on those curves it can
+    never lose to uniform ranks; the guard needs an estimate that did not choose: the held-out
+    moments when the held-out windows chose (none otherwise: no guard)."""
+    if selected_on != "held-out windows" or any(f.heldout_predicted is None for f in fits):
+        return None
+    uniform = None
+    for m in [0, *sorted({m for f in fits for m in f.ranks if m}, reverse=True)]:  # dense first
+        if all(m in f.ranks for f in fits):
+            option = [fits[li].ranks.index(m) for li, _ in owners]
+            if sum(c[j] for c, j in zip(costs, option, strict=True)) <= budget:
+                uniform = option
+                break
+    if uniform is None or uniform == choice:
+        return None
+
+    def check(opt: list[int]) -> float:
+        return sum(
+            float(fits[li].kl_scale[h] * fits[li].heldout_predicted[h, j].nan_to_num(0.0))
+            for (li, h), j in zip(owners, opt, strict=True)
+        )
+
+    return uniform if check(uniform) <= check(choice) else None
 
 
 def _infeasible(
