@@ -331,14 +331,16 @@ def _configs(
         cfgs.append(RunConfig(f"sketch · {low} shared", "sketch", "ablation", art, low, True, basis))
     for r in ranks if refits is not None else ():  # verify refuses a sweep without statistics
         # the artifact's own budget is the main "sketch" row (and its PCA ablation row): not re-run
-        alts = [basis] + (["pca"] if ablations and basis != "pca" else [])
-        for alt in alts if r != budget else []:
+        alts = [(basis, "output")] + ([("pca", "output")] if ablations and basis != "pca" else [])
+        alts += [(basis, "uniform")] if ablations and r in SUPPORTED_RANKS else []
+        for alt, how in alts if r != budget else []:
+            suffix = " · uniform ranks" if how == "uniform" else "" if alt == basis else f" · {alt} basis"
             cfgs.append(
                 RunConfig(
-                    f"sketch · rank {r:g}" + ("" if alt == basis else f" · {alt} basis"),
+                    f"sketch · rank {r:g}{suffix}",
                     "sketch",
                     "rank sweep",
-                    refits(r, alt),
+                    refits(r, alt, how),
                     read_dtype,
                     basis=alt,
                     budget=r,
