@@ -74,9 +74,9 @@ def allocation_table(layers: list[dict[str, Any]], title: str | None = None) -> 
         ("layer", "right"),
         ("ranks", "left"),
         ("mean rank", "right"),
-        ("pred. error", "right"),
-        ("held-out pred.", "right"),
-        ("measured", "right"),
+        ("pred. KL", "right"),
+        ("held-out moments", "right"),
+        ("held-out windows", "right"),
         ("bytes/token", "right"),
         ("vs standard", "right"),
     ):
@@ -126,11 +126,9 @@ def print_convert_result(result, console: Console | None = None) -> None:
     alloc = result.allocation
     summary = {**alloc.to_dict(), "layers": None}
     print_allocation(summary, [asdict(lay) for lay in alloc.layers], console)
-    scores = ", ".join(
-        f"{m} {'n/a' if v is None else f'{100 * v:.2f}%'}" for m, v in result.shrinkage_scores.items()
-    )
+    scores = ", ".join(f"{m} {format_kl(v)}" for m, v in result.shrinkage_scores.items())
     exact = "exact optimum" if alloc.optimal else f"within {alloc.gap_bound:.1e} of the optimum"
-    console.print(f"E shrinkage: {result.shrinkage} (held-out error: {scores}); allocation: {exact}")
+    console.print(f"E shrinkage: {result.shrinkage} (held-out KL: {scores}); allocation: {exact}")
     for note in result.notes:
         console.print(f"[yellow]note:[/yellow] {note}")
     console.print(f"wrote {result.out} (weights: {result.weights})")
