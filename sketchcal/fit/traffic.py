@@ -22,6 +22,12 @@ GDN/KDA and 0 for Mamba-2):
     with R), and whenever ``rb != sb`` (a separate low-precision copy of the rows that are read);
 
   and the per-step figure is the window total divided by L. Replay is the dense case.
+
+- **adaptive sketch** (``adaptive``): a head of rank r reads ``Q (P_S u)``, the flush's factors
+  ``Q`` [V, r] and ``P_S`` [r, K]: ``r·(V + K)·rb`` per non-flush step instead of ``r·V·rb``, and
+  the flush writes them (``r·(V + K)·rb``; the two extra passes over the state it already holds
+  are not traffic). A static head of rank m and an adaptive head of rank
+  :func:`adaptive_rank` (m) read about the same bytes.
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ class TrafficModel:
     state_bytes: int = 4
     read_bytes: int = 4
     buffer_bytes: int = 2
+    adaptive: bool = False  # the adaptive sketch: a rank-r read is r·(V + K) values
 
     @property
     def entry_bytes(self) -> int:
@@ -79,12 +86,13 @@ class TrafficModel:
         """Bytes of one window (L−1 sketch/replay steps + 1 flush) of one head at ``rank`` (0 = dense)."""
         k, v, n = self.key_dim, self.value_dim, self.window
         rows = k if rank == 0 else rank
+        width = v + k if self.adaptive and rank != 0 else v  # values per row read
         e = self.entry_bytes
-        reads = (n - 1) * rows * v * self.read_bytes + e * (n - 1) * n // 2  # Σ_p [(p−1)+1]·e
+        reads = (n - 1) * rows * width * self.read_bytes + e * (n - 1) * n // 2  # Σ_p [(p−1)+1]·e
         flush = 2 * k * v * self.state_bytes + (n - 1) * e
         separate_copy = self.read_bytes != self.state_bytes
-        if separate_copy or (rank != 0 and self.family == "kda"):
-            flush += rows * v * self.read_bytes
+        if separate_copy or (rank != 0 and (self.family == "kda" or self.adaptive)):
+            flush += rows * width * self.read_bytes
         return reads + flush
 
     def step_bytes(self, rank: int) -> float:
@@ -97,3 +105,11 @@ class TrafficModel:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def adaptive_rank(static_rank: int, key_dim: int, value_dim: int) -> int:
+    """The adaptive-sketch rank that reads at most the bytes of a static sketch of ``static_rank``
+    (``⌊m·V / (V + K)⌋``, at least 1: rank 0 means dense); 0 (dense) stays 0."""
+    if static_rank <= 0:
+        return 0
+    return max(1, static_rank * value_dim // (value_dim + key_dim))

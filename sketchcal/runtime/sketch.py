@@ -12,6 +12,12 @@ precision at each flush, for every family. (For Mamba-2 and GDN a serving kernel
 the recurrence in the rotated frame and read a prefix of the stored state; the numbers are the
 same up to rounding, and the byte model counts that layout.) Dense heads read their full read copy.
 The write and the read are ``sketchcal.kernels.common.reference.sketch_write`` / ``sketch_read``.
+
+The **adaptive** sketch (``sketch_map="adaptive"``, :class:`AdaptiveTables`) keeps the bases and
+ranks but no offline map: each flush factors the new checkpoint S_c of every head of rank m into
+``Q`` [V, m] (an orthonormal basis of span(S_cᵀ B), B = the frame's first m rows) and
+``P_S = Qᵀ S_cᵀ`` [m, K], stored in the read precision; a read is ``Q (P_S u)``, the exact read
+projected onto that span (``reference.adaptive_factor`` / ``adaptive_read``).
 """
 
 from __future__ import annotations
@@ -24,9 +30,12 @@ from torch import Tensor
 from sketchcal.artifact.sketch import SketchLayer
 from sketchcal.errors import SketchcalError
 from sketchcal.kernels.common.pool import SketchTables
-from sketchcal.kernels.common.reference import sketch_read, sketch_write
+from sketchcal.kernels.common.reference import adaptive_factor, adaptive_read, sketch_read, sketch_write
+from sketchcal.runtime.precision import store
 
-__all__ = ["ComputeTables", "SketchTables", "layer_tables"]
+SKETCH_MAPS = ("static", "adaptive")  # the offline coefficient map, or one computed at each flush
+
+__all__ = ["SKETCH_MAPS", "AdaptiveTables", "ComputeTables", "SketchTables", "compute_tables", "layer_tables"]
 
 
 def layer_tables(
@@ -73,6 +82,10 @@ class ComputeTables:
         """The sketch ``(R S)_{:M}`` [..., H, M, V] of states ``s`` [..., H, K, V] (rows ≥ m_h are 0)."""
         return sketch_write(self.rows, s)
 
+    def stored(self, s: Tensor, dtype: torch.dtype) -> Tensor:
+        """:meth:`write`, stored in ``dtype`` (what a checkpoint keeps for its reads)."""
+        return store(self.write(s), dtype)
+
     def read(self, sketch: Tensor, full: Tensor | None, u: Tensor) -> Tensor:
         """Checkpoint term of the reads for effective queries ``u`` [B, P, H, K] → [B, P, H, V].
 
@@ -81,3 +94,40 @@ class ComputeTables:
         """
         dense = self.dense if self.has_dense and full is not None else None
         return sketch_read(self.maps, sketch, u, dense, full)
+
+
+@dataclass(frozen=True)
+class AdaptiveTables:
+    """A layer's adaptive sketch in the reference runtime's compute dtype: the bases of
+    :class:`SketchTables` without their maps. ``rows`` [H, M, K] (each head's basis rows, zero past
+    its rank), ``dense`` [H] bool. A checkpoint keeps ``(Q, P_S)``: [B, H, V, M], [B, H, M, K]."""
+
+    rows: Tensor
+    dense: Tensor
+    has_dense: bool
+
+    @classmethod
+    def of(cls, tables: SketchTables, dtype: torch.dtype) -> AdaptiveTables:
+        dense = tables.ranks == 0
+        return cls(rows=tables.sketch_rows().to(dtype), dense=dense, has_dense=bool(dense.any()))
+
+    def stored(self, s: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The flush's factors ``(Q, P_S)`` of states ``s`` [B, H, K, V], stored in ``dtype``."""
+        q, p = adaptive_factor(self.rows, s)
+        return store(q, dtype), store(p, dtype)
+
+    def read(self, sketch: tuple[Tensor, Tensor], full: Tensor | None, u: Tensor) -> Tensor:
+        """Checkpoint term ``Q (P_S u)`` for effective queries ``u`` [B, P, H, K] → [B, P, H, V];
+        dense heads read ``full`` [B, H, K, V] (as :meth:`ComputeTables.read`)."""
+        dense = self.dense if self.has_dense and full is not None else None
+        q, p = sketch
+        return adaptive_read(q, p, u, dense, full)
+
+
+def compute_tables(
+    tables: SketchTables, dtype: torch.dtype, sketch_map: str
+) -> ComputeTables | AdaptiveTables:
+    """The reference runtime's tables of ``sketch_map`` (one of :data:`SKETCH_MAPS`)."""
+    if sketch_map not in SKETCH_MAPS:
+        raise SketchcalError(f"sketch map must be one of {', '.join(SKETCH_MAPS)}, got {sketch_map!r}")
+    return AdaptiveTables.of(tables, dtype) if sketch_map == "adaptive" else ComputeTables.of(tables, dtype)
