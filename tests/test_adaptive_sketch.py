@@ -12,7 +12,7 @@ from test_runtime_model import FAMILY_MODELS, forward, rel, synthetic_artifact, 
 from test_runtime_state import EXACT, FAMILIES, H, K, L, make_inputs, random_state, sketch_layer
 
 from sketchcal.errors import SketchcalError
-from sketchcal.fit.traffic import TrafficModel, adaptive_rank
+from sketchcal.fit.traffic import TrafficModel, adaptive_ranks
 from sketchcal.kernels.common import family
 from sketchcal.kernels.common.reference import adaptive_factor, adaptive_read
 from sketchcal.runtime import WindowState, enable, layer_tables, make_state
@@ -146,10 +146,20 @@ def test_byte_model_counts_r_times_v_plus_k():
     extra = adaptive.window_bytes(3) - static.window_bytes(3)
     assert extra == (n - 1) * 3 * k * 2 + 3 * k * 2
     assert adaptive.window_bytes(0) == static.window_bytes(0)  # dense heads read the same
-    assert [adaptive_rank(m, k, v) for m in (0, 1, 4, 8, 16)] == [0, 1, 1, 2, 5]
-    assert [adaptive_rank(m, 128, 128) for m in (4, 8, 16)] == [2, 4, 8]
-    for m in (4, 8, 12, 16, 24):  # never more bytes than the static head it stands in for
-        assert adaptive.window_bytes(adaptive_rank(m, k, v)) <= static.window_bytes(m)
+    assert adaptive_ranks([0, 4, 8, 16], 128, 128) == [0, 2, 4, 8]
+    # V = 64, K = 128: eight heads of rank 8 read 8·8·64 = 4096 values, 21⅓ adaptive ranks of 192
+    assert adaptive_ranks([8] * 8, k, v) == [3, 3, 3, 3, 3, 2, 2, 2]
+    assert adaptive_ranks([0, 4, 1], k, v) == [0, 1, 1]  # a sketch head keeps at least rank 1
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):  # never more read bytes than the static heads it stands in for
+        ranks = torch.randint(0, 25, (8,), generator=g).tolist()
+        ad = adaptive_ranks(ranks, k, v)
+        assert all((a == 0) == (m == 0) for a, m in zip(ad, ranks, strict=True))
+        if all(m == 0 or m * v >= k + v for m in ranks):
+            assert sum(ad) * (k + v) <= sum(ranks) * v
+            assert (sum(ad) + 1) * (k + v) > sum(ranks) * v  # and no whole rank left over
+        for a, m in zip(ad, ranks, strict=True):
+            assert a == 0 or abs(a - m * v / (k + v)) < 1 + 1e-9 or a == 1
 
 
 @pytest.mark.parametrize("fam", list(FAMILY_MODELS))

@@ -26,8 +26,8 @@ GDN/KDA and 0 for Mamba-2):
 - **adaptive sketch** (``adaptive``): a head of rank r reads ``Q (P_S u)``, the flush's factors
   ``Q`` [V, r] and ``P_S`` [r, K]: ``r·(V + K)·rb`` per non-flush step instead of ``r·V·rb``, and
   the flush writes them (``r·(V + K)·rb``; the two extra passes over the state it already holds
-  are not traffic). A static head of rank m and an adaptive head of rank
-  :func:`adaptive_rank` (m) read about the same bytes.
+  are not traffic). :func:`adaptive_ranks` gives the adaptive ranks that read
+  the bytes of a layer's static ranks.
 """
 
 from __future__ import annotations
@@ -107,9 +107,16 @@ class TrafficModel:
         return asdict(self)
 
 
-def adaptive_rank(static_rank: int, key_dim: int, value_dim: int) -> int:
-    """The adaptive-sketch rank that reads at most the bytes of a static sketch of ``static_rank``
-    (``⌊m·V / (V + K)⌋``, at least 1: rank 0 means dense); 0 (dense) stays 0."""
-    if static_rank <= 0:
-        return 0
-    return max(1, static_rank * value_dim // (value_dim + key_dim))
+def adaptive_ranks(static_ranks: list[int], key_dim: int, value_dim: int) -> list[int]:
+    """Adaptive-sketch ranks for a layer's heads that read at most the bytes of a static sketch of
+    ``static_ranks`` (Σ r·(V + K) ≤ Σ m·V): each head of rank m gets ``⌊m·V / (V + K)⌋`` (at least 1:
+    rank 0 means dense, which stays 0); the layer's remaining bytes then go one rank at a time to
+    the heads with the largest remainders (ties: lower head index)."""
+    width = value_dim + key_dim
+    exact = [m * value_dim / width for m in static_ranks]
+    ranks = [0 if m <= 0 else max(1, int(e)) for m, e in zip(static_ranks, exact, strict=True)]
+    spare = (sum(static_ranks) * value_dim - sum(ranks) * width) // width
+    order = sorted((h for h, m in enumerate(static_ranks) if m > 0), key=lambda h: (ranks[h] - exact[h], h))
+    for h in order[: max(0, spare)]:
+        ranks[h] += 1
+    return ranks
