@@ -23,6 +23,7 @@ projected onto that span (``reference.adaptive_factor`` / ``adaptive_read``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -56,27 +57,35 @@ def layer_tables(
 
 
 @dataclass(frozen=True)
-class ComputeTables:
-    """A layer's :class:`SketchTables` cast once to the reference runtime's compute dtype.
-
-    H heads, K key dim, M stored rows: ``rows`` [H, M, K] (``SketchTables.sketch_rows``), ``maps``
-    [H, M, K] (``SketchTables.maps``), ``dense`` [H] bool.
-    """
+class HeadTables:
+    """What every sketch read of a layer needs, in the reference runtime's compute dtype: H heads,
+    K key dim, M stored rows: ``rows`` [H, M, K] (``SketchTables.sketch_rows``: each head's basis
+    rows, zero past its rank), ``dense`` [H] bool (heads that read their full read copy)."""
 
     rows: Tensor
-    maps: Tensor
     dense: Tensor
     has_dense: bool
 
+    @staticmethod
+    def fields_of(tables: SketchTables, dtype: torch.dtype) -> dict[str, Any]:
+        dense = tables.ranks == 0
+        return {"rows": tables.sketch_rows().to(dtype), "dense": dense, "has_dense": bool(dense.any())}
+
+    def dense_heads(self, full: Tensor | None) -> Tensor | None:
+        """``dense`` where some head is dense and its read copy ``full`` is given, else None."""
+        return self.dense if self.has_dense and full is not None else None
+
+
+@dataclass(frozen=True)
+class ComputeTables(HeadTables):
+    """A layer's :class:`SketchTables` cast once to the reference runtime's compute dtype: the
+    :class:`HeadTables` fields and ``maps`` [H, M, K] (``SketchTables.maps``)."""
+
+    maps: Tensor
+
     @classmethod
     def of(cls, tables: SketchTables, dtype: torch.dtype) -> ComputeTables:
-        dense = tables.ranks == 0
-        return cls(
-            rows=tables.sketch_rows().to(dtype),
-            maps=tables.maps.to(dtype),
-            dense=dense,
-            has_dense=bool(dense.any()),
-        )
+        return cls(**cls.fields_of(tables, dtype), maps=tables.maps.to(dtype))
 
     def write(self, s: Tensor) -> Tensor:
         """The sketch ``(R S)_{:M}`` [..., H, M, V] of states ``s`` [..., H, K, V] (rows ≥ m_h are 0)."""
@@ -92,24 +101,17 @@ class ComputeTables:
         ``sketch`` [B, H, M, V]; ``full`` [B, H, K, V] the dense heads' read copy (None when no head
         is dense). Both are cast to ``u``'s dtype.
         """
-        dense = self.dense if self.has_dense and full is not None else None
-        return sketch_read(self.maps, sketch, u, dense, full)
+        return sketch_read(self.maps, sketch, u, self.dense_heads(full), full)
 
 
 @dataclass(frozen=True)
-class AdaptiveTables:
-    """A layer's adaptive sketch in the reference runtime's compute dtype: the bases of
-    :class:`SketchTables` without their maps. ``rows`` [H, M, K] (each head's basis rows, zero past
-    its rank), ``dense`` [H] bool. A checkpoint keeps ``(Q, P_S)``: [B, H, V, M], [B, H, M, K]."""
-
-    rows: Tensor
-    dense: Tensor
-    has_dense: bool
+class AdaptiveTables(HeadTables):
+    """A layer's adaptive sketch: the :class:`HeadTables` fields (the bases, no maps). A checkpoint
+    keeps the flush's factors ``(Q, P_S)``: [B, H, V, M], [B, H, M, K]."""
 
     @classmethod
     def of(cls, tables: SketchTables, dtype: torch.dtype) -> AdaptiveTables:
-        dense = tables.ranks == 0
-        return cls(rows=tables.sketch_rows().to(dtype), dense=dense, has_dense=bool(dense.any()))
+        return cls(**cls.fields_of(tables, dtype))
 
     def stored(self, s: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """The flush's factors ``(Q, P_S)`` of states ``s`` [B, H, K, V], stored in ``dtype``."""
@@ -119,9 +121,8 @@ class AdaptiveTables:
     def read(self, sketch: tuple[Tensor, Tensor], full: Tensor | None, u: Tensor) -> Tensor:
         """Checkpoint term ``Q (P_S u)`` for effective queries ``u`` [B, P, H, K] → [B, P, H, V];
         dense heads read ``full`` [B, H, K, V] (as :meth:`ComputeTables.read`)."""
-        dense = self.dense if self.has_dense and full is not None else None
         q, p = sketch
-        return adaptive_read(q, p, u, dense, full)
+        return adaptive_read(q, p, u, self.dense_heads(full), full)
 
 
 def compute_tables(
