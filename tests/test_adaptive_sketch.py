@@ -184,3 +184,14 @@ def test_adaptive_runtime_in_models(fam):
         enable(model, art, "sketch", backend="triton", sketch_map="adaptive")
     with pytest.raises(SketchcalError, match="sketch_map must be one of"):
         enable(model, art, "sketch", sketch_map="dynamic")
+
+
+def test_verify_sketch_map_option_is_checked(monkeypatch, capsys):
+    from test_bad_inputs import fails
+
+    from sketchcal.settings import VerifySettings
+
+    with pytest.raises(SketchcalError, match="--sketch-map must be static or adaptive"):
+        VerifySettings(model_dir="x", sketch_map="dynamic")
+    line = fails(monkeypatch, capsys, "verify", "x", "--sketch-map", "dynamic")
+    assert "--sketch-map must be static or adaptive" in line
