@@ -309,6 +309,10 @@ class VerifySettings(CommandSettings):
     stats: Path | None = option(None, "Calibration statistics (default: the artifact's)")  # noqa: RUF009
     out: Path | None = option(None, "Report folder (default DIR/verify, or verify-NAME)")  # noqa: RUF009
     ablations: bool = option(True, "Also run PCA, random and shared-precision ablations")
+    sketch_map: str | None = option(
+        None,
+        "Sketch reads: static (offline maps) or adaptive (maps made at each flush); default: the artifact's",
+    )
     retrieval: bool = option(True, "Run the associative-recall test")
     plots: bool = option(True, "Write the PNG plots")
     device: str = option("auto", "auto, cpu, cuda")
@@ -338,3 +342,5 @@ class VerifySettings(CommandSettings):
         from sketchcal.models.loading import DTYPES
 
         _choice("dtype", self.dtype, tuple(DTYPES))
+        if self.sketch_map not in (None, "static", "adaptive"):
+            raise SketchcalError(f"--sketch-map must be static or adaptive, got {self.sketch_map!r}")

@@ -68,6 +68,15 @@ def test_verify_end_to_end(artifact, loaded, tmp_path):
     pca8 = res.config("sketch · rank 8 · pca basis")
     assert pca8.basis == "pca" and pca8.budget == 8 and pca8.group == "rank sweep"
     std, rep, sk = (res.config(n) for n in ("standard", "replay", "sketch"))
+    # each static sketch row again as an adaptive sketch at no more read bytes: rank ⌊m·V/(V + K)⌋
+    for name, static in (("sketch", sk), ("sketch · rank 8", res.config("sketch · rank 8"))):
+        ad = res.config(f"{name} · adaptive map")
+        assert ad.sketch_map == "adaptive" and static.sketch_map == "static" and ad.group == "sketch map"
+        # as many read bytes; the flush also writes the factors (at most a read per window)
+        assert ad.traffic["bytes_per_token"] <= static.traffic["bytes_per_token"] * (1 + 1 / (WINDOW - 1))
+        assert ad.read_error != static.read_error and ad.kl_mean > 0
+    assert res.config("sketch · rank 8 · adaptive map").mean_rank < res.config("sketch · rank 8").mean_rank
+    assert "sketch · pca basis · adaptive map" not in names
     assert rep.kl_mean < 1e-10 and rep.top1_agreement == 1.0 and max(rep.read_error.values()) == 0.0
     assert sk.kl_mean > 0 and min(sk.read_error.values()) > 0 and len(sk.kl_by_position) == WINDOW
     assert set(sk.read_error) == {s.layer for s in loaded.spec.layers}

@@ -1,5 +1,6 @@
 """Float64 references of the serving API, over a :class:`~sketchcal.kernels.common.pool.DecodePool`,
-and the sketch's write and read (:func:`sketch_write`, :func:`sketch_read`), which the reference
+the sketch's write and read (:func:`sketch_write`, :func:`sketch_read`), and the adaptive sketch's
+flush-time factors and read (:func:`adaptive_factor`, :func:`adaptive_read`), which the reference
 runtime (``sketchcal.runtime``) uses too.
 
 Thin wrappers: every number comes from ``recurrence.step`` / ``recurrence.recurrence`` /
@@ -39,9 +40,48 @@ def sketch_read(
     dtype."""
     coeff = torch.einsum("hmk,...phk->...phm", maps.to(u.dtype), u)
     out = torch.einsum("...hmv,...phm->...phv", sketch.to(u.dtype), coeff)
+    return _dense_reads(out, u, dense, full)
+
+
+def _dense_reads(out: Tensor, u: Tensor, dense: Tensor | None, full: Tensor | None) -> Tensor:
+    """``out`` with the heads where ``dense`` [H] is set read exactly from ``full`` [..., H, K, V]."""
     if dense is not None and full is not None:
         out[..., dense, :] = read(full[..., dense, :, :].to(u.dtype).unsqueeze(-4), u[..., dense, :])
     return out
+
+
+def adaptive_factor(rows: Tensor, s: Tensor) -> tuple[Tensor, Tensor]:
+    """Flush-time factors of the adaptive sketch of states ``s`` [..., H, K, V] on the offline bases
+    ``rows`` [H, M, K] (each head's basis Bᵀ, zero past its rank, as ``SketchTables.sketch_rows``).
+
+    Per head: ``Mₛ = Sᵀ B`` [V, M]; ``Q`` [V, M] = its left singular vectors, largest first, an
+    orthonormal basis of span(Sᵀ B) (the issue's ``orth(Mₛ)``; a kernel may take it from the M × M
+    Gram and a Cholesky factor), columns past the rank of Mₛ zero (a head's unused rows, a
+    rank-deficient state, M > V); ``P_S = Qᵀ Sᵀ`` [M, K]. Returns ``(Q, P_S)``: [..., H, V, M] and
+    [..., H, M, K] in ``s``'s dtype, computed in float64 (the singular vectors of a direction
+    σ < σ_max·max(V, M)·2⁻⁵² are dropped as noise). The read ``Q (P_S u)`` (:func:`adaptive_read`)
+    is ``Sᵀu`` projected orthogonally onto span(Sᵀ B).
+    """
+    sd = s.to(F64)
+    m = torch.einsum("...hkv,hmk->...hvm", sd, rows.to(F64))
+    u, sigma, _ = torch.linalg.svd(m, full_matrices=False)  # u [..., V, min(V, M)]
+    tol = sigma[..., :1] * max(m.shape[-2:]) * torch.finfo(F64).eps
+    q = u * (sigma > tol).to(F64).unsqueeze(-2)
+    q = torch.nn.functional.pad(q, (0, m.shape[-1] - q.shape[-1]))
+    p = torch.einsum("...hvm,...hkv->...hmk", q, sd)
+    return q.to(s.dtype), p.to(s.dtype)
+
+
+def adaptive_read(
+    q: Tensor, p: Tensor, u: Tensor, dense: Tensor | None = None, full: Tensor | None = None
+) -> Tensor:
+    """Checkpoint term ``Q (P_S u)`` of reads with effective queries ``u`` [..., P, H, K] →
+    [..., P, H, V], from the flush's factors ``q`` [..., H, V, M] and ``p`` [..., H, M, K]
+    (:func:`adaptive_factor`). Heads where ``dense`` [H] is set read ``full`` [..., H, K, V] exactly,
+    as in :func:`sketch_read`. Computed in ``u``'s dtype."""
+    coeff = torch.einsum("...hmk,...phk->...phm", p.to(u.dtype), u)
+    out = torch.einsum("...hvm,...phm->...phv", q.to(u.dtype), coeff)
+    return _dense_reads(out, u, dense, full)
 
 
 def _stored(t: Tensor, dtype: torch.dtype) -> Tensor:

@@ -22,6 +22,12 @@ GDN/KDA and 0 for Mamba-2):
     with R), and whenever ``rb != sb`` (a separate low-precision copy of the rows that are read);
 
   and the per-step figure is the window total divided by L. Replay is the dense case.
+
+- **adaptive sketch** (``adaptive``): a head of rank r reads ``Q (P_S u)``, the flush's factors
+  ``Q`` [V, r] and ``P_S`` [r, K]: ``r·(V + K)·rb`` per non-flush step instead of ``r·V·rb``, and
+  the flush writes them (``r·(V + K)·rb``; the two extra passes over the state it already holds
+  are not traffic). :func:`adaptive_ranks` gives the adaptive ranks that read
+  the bytes of a layer's static ranks.
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ class TrafficModel:
     state_bytes: int = 4
     read_bytes: int = 4
     buffer_bytes: int = 2
+    adaptive: bool = False  # the adaptive sketch: a rank-r read is r·(V + K) values
 
     @property
     def entry_bytes(self) -> int:
@@ -79,12 +86,13 @@ class TrafficModel:
         """Bytes of one window (L−1 sketch/replay steps + 1 flush) of one head at ``rank`` (0 = dense)."""
         k, v, n = self.key_dim, self.value_dim, self.window
         rows = k if rank == 0 else rank
+        width = v + k if self.adaptive and rank != 0 else v  # values per row read
         e = self.entry_bytes
-        reads = (n - 1) * rows * v * self.read_bytes + e * (n - 1) * n // 2  # Σ_p [(p−1)+1]·e
+        reads = (n - 1) * rows * width * self.read_bytes + e * (n - 1) * n // 2  # Σ_p [(p−1)+1]·e
         flush = 2 * k * v * self.state_bytes + (n - 1) * e
         separate_copy = self.read_bytes != self.state_bytes
-        if separate_copy or (rank != 0 and self.family == "kda"):
-            flush += rows * v * self.read_bytes
+        if separate_copy or (rank != 0 and (self.family == "kda" or self.adaptive)):
+            flush += rows * width * self.read_bytes
         return reads + flush
 
     def step_bytes(self, rank: int) -> float:
@@ -97,3 +105,18 @@ class TrafficModel:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def adaptive_ranks(static_ranks: list[int], key_dim: int, value_dim: int) -> list[int]:
+    """Adaptive-sketch ranks for a layer's heads that read at most the bytes of a static sketch of
+    ``static_ranks`` (Σ r·(V + K) ≤ Σ m·V): each head of rank m gets ``⌊m·V / (V + K)⌋`` (at least 1:
+    rank 0 means dense, which stays 0); the layer's remaining bytes then go one rank at a time to
+    the heads with the largest remainders (ties: lower head index)."""
+    width = value_dim + key_dim
+    exact = [m * value_dim / width for m in static_ranks]
+    ranks = [0 if m <= 0 else max(1, int(e)) for m, e in zip(static_ranks, exact, strict=True)]
+    spare = (sum(static_ranks) * value_dim - sum(ranks) * width) // width
+    order = sorted((h for h, m in enumerate(static_ranks) if m > 0), key=lambda h: (ranks[h] - exact[h], h))
+    for h in order[: max(0, spare)]:
+        ranks[h] += 1
+    return ranks

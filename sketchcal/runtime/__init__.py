@@ -6,12 +6,13 @@ pool per layer, CUDA; ``auto`` picks it when it can run).
 Public API::
 
     enable(model, artifact=None, mode="sketch", *, window=None, read_dtype=None, shared=False,
-           prefill=None, compute_dtype="fp32", probe=None, backend="auto", buffer_dtype=None)
-           -> Runtime
+           prefill=None, compute_dtype="fp32", probe=None, backend="auto", buffer_dtype=None,
+           sketch_map=None) -> Runtime                      # sketch_map: "static" | "adaptive"
     enabled(model, artifact=None, mode="sketch", **kw)      # context manager
     disable(model); runtime_of(model) -> Runtime | None
     GraphDecoder(model).generate(input_ids, max_new_tokens)  # greedy, CUDA graphs on a GPU
-    make_state(mode, family, state, *, tables=None, window=16, precision=Precision()) -> DecodeState
+    make_state(mode, family, state, *, tables=None, window=16, precision=Precision(),
+               sketch_map="static") -> DecodeState
     StandardState / WindowState: step(x), draft(x), accept(k), state()
     layer_tables(sketch_layer, family=..., heads=H, key_dim=K) -> SketchTables; Precision; parse_dtype
 

@@ -50,7 +50,7 @@ from sketchcal.models import ModelSpec, describe
 from sketchcal.models.capture import pick_implementation, torch_reference
 from sketchcal.runtime.families import GLUES, FunctionGlue
 from sketchcal.runtime.precision import Precision, parse_dtype
-from sketchcal.runtime.sketch import SketchTables, layer_tables
+from sketchcal.runtime.sketch import SKETCH_MAPS, SketchTables, layer_tables
 from sketchcal.runtime.state import DEFAULT_WINDOW, MODES, DecodeState, Probe, make_state
 
 BACKENDS = ("auto", "triton", "reference")
@@ -150,8 +150,10 @@ class Runtime:
         probe: Probe | None,
         backend: str = "reference",
         buffer_dtype: torch.dtype = torch.float32,
+        sketch_map: str = "static",
     ):
         self.model, self.spec, self.mode = model, spec, mode
+        self.sketch_map = sketch_map
         self.window, self.precision, self.tables = window, precision, tables
         self.prefill, self.probe = prefill, probe
         self.backend, self.buffer_dtype = backend, buffer_dtype
@@ -267,6 +269,7 @@ class Runtime:
             window=self.window,
             precision=self.precision,
             tables=self.tables.get(layer),
+            sketch_map=self.sketch_map,
             layer=layer,
             probe=self.probe,
         )
@@ -396,6 +399,15 @@ def _artifact_window(art: SketchArtifact) -> int:
         raise SketchcalError("the sketch has no valid window length; reconvert it") from None
 
 
+def _sketch_map(sketch_map: str | None, art: SketchArtifact | None, mode: str) -> str:
+    """The sketch map ``enable`` runs: the one asked for, else the artifact's, else static."""
+    if sketch_map is None:
+        sketch_map = str((art.config if art is not None else {}).get("sketch_map", "static"))
+    if sketch_map not in SKETCH_MAPS:
+        raise SketchcalError(f"sketch_map must be one of {', '.join(SKETCH_MAPS)}, got {sketch_map!r}")
+    return sketch_map if mode == "sketch" else "static"
+
+
 def _resolve_backend(
     backend: str, mode: str, spec: ModelSpec, precision: Precision, probe: Probe | None, devices: list
 ) -> str:
@@ -449,6 +461,7 @@ def enable(
     probe: Probe | None = None,
     backend: str = "auto",
     buffer_dtype: str | torch.dtype | None = None,
+    sketch_map: str | None = None,
 ) -> Runtime:
     """Make ``model.generate()`` and forward passes decode in ``mode``; returns the :class:`Runtime`.
 
@@ -477,6 +490,11 @@ def enable(
             artifact's ``traffic.buffer_dtype``, else bf16, on CUDA; fp32 in the interpreter).
             fp32 makes replay exact to fp32 rounding; bf16 halves the buffer traffic. Ignored when
             ``auto`` picks the reference backend.
+        sketch_map: ``sketch`` mode: ``static`` (the artifact's offline coefficient maps) or
+            ``adaptive`` (a map of each new checkpoint, made at its flush from the artifact's bases:
+            a rank-m head then reads m·(V + K) values); default: the artifact's ``sketch_map``, else
+            static. The triton backend has no adaptive kernels: ``auto`` picks the reference backend
+            for it and ``triton`` is refused.
 
     Raises:
         SketchcalError: unsupported model, unknown mode, backend or dtype, a sketch that does not
@@ -510,6 +528,14 @@ def enable(
         raise SketchcalError("standard mode keeps the full fp32 state: read_dtype and shared do not apply")
     if backend == "reference" and buffer_dtype is not None:
         raise SketchcalError("buffer_dtype applies to the triton backend only")
+    sketch_map = _sketch_map(sketch_map, art, mode)
+    if sketch_map == "adaptive":
+        if backend == "triton":
+            raise SketchcalError(
+                "backend='triton' has no adaptive-sketch kernels yet; use backend='reference' or "
+                "sketch_map='static'"
+            )
+        backend = "reference"
     devices = {m.layer_idx: next(m.parameters()).device for m in spec.mixers(model)}  # device_map safe
     backend = _resolve_backend(backend, mode, spec, precision, probe, list(devices.values()))
     buffers = torch.float32
@@ -541,6 +567,7 @@ def enable(
         probe=probe,
         backend=backend,
         buffer_dtype=buffers,
+        sketch_map=sketch_map,
     )
     runtime._start()
     _ENABLED[model] = runtime

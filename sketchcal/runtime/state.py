@@ -38,7 +38,7 @@ from sketchcal.kernels.common import family as family_of
 from sketchcal.kernels.common.pool import SketchTables
 from sketchcal.kernels.common.recurrence import read
 from sketchcal.runtime.precision import Precision, store
-from sketchcal.runtime.sketch import ComputeTables
+from sketchcal.runtime.sketch import compute_tables
 
 MODES = ("standard", "replay", "sketch")
 DEFAULT_WINDOW = 16
@@ -125,7 +125,7 @@ class Checkpoint:
 
     state: Tensor  # the exact state, checkpoint dtype
     read_copy: Tensor | None  # two precisions: the state in the read dtype
-    sketch: Tensor | None  # sketch mode: (R S)_{:M}, read dtype
+    sketch: Tensor | tuple[Tensor, Tensor] | None  # sketch mode: (R S)_{:M}, or adaptive (Q, P_S); read dtype
 
     @property
     def full(self) -> Tensor:
@@ -144,6 +144,7 @@ class WindowState:
         window: int = DEFAULT_WINDOW,
         precision: Precision = Precision(),
         tables: SketchTables | None = None,
+        sketch_map: str = "static",
         layer: int | None = None,
         probe: Probe | None = None,
     ):
@@ -151,7 +152,8 @@ class WindowState:
             raise SketchcalError(f"window must be at least 1, got {window}")
         self.family = _family(family)
         self.window, self.precision, self.tables = window, precision, tables
-        self._sketch = None if tables is None else ComputeTables.of(tables, precision.compute_dtype)
+        self.sketch_map = sketch_map  # static: the artifact's maps; adaptive: maps made at each flush
+        self._sketch = None if tables is None else compute_tables(tables, precision.compute_dtype, sketch_map)
         self.layer, self.probe = layer, probe
         self.ckpt = self._make_checkpoint(checkpoint.to(precision.compute_dtype))
         self.pos = 0  # tokens buffered since the checkpoint (committed)
@@ -172,7 +174,7 @@ class WindowState:
         state = store(s, p.checkpoint_dtype)
         exact = state.to(p.compute_dtype)
         read_copy = store(exact, p.read_dtype) if p.separate_read_copy else None
-        sketch = None if self._sketch is None else store(self._sketch.write(exact), p.read_dtype)
+        sketch = None if self._sketch is None else self._sketch.stored(exact, p.read_dtype)
         return Checkpoint(state, read_copy, sketch)
 
     def _put(self, at: int, x: StepInputs) -> None:
@@ -311,9 +313,12 @@ def make_state(
 ) -> DecodeState:
     """A decode state in ``mode`` starting from ``state`` [B, H, K, V] (the first checkpoint).
 
-    ``options`` are the state's own keywords: ``precision``, ``layer``, ``probe`` and ``window``
-    (which ``standard`` mode has no use for); ``tables`` are the sketch's, for ``sketch`` mode.
+    ``options`` are the state's own keywords: ``precision``, ``layer``, ``probe``, ``window`` and
+    ``sketch_map`` (which ``standard`` mode has no use for); ``tables`` are the sketch's, for
+    ``sketch`` mode, read through their static maps or adaptively (``sketch_map="adaptive"``).
     """
+    if mode != "sketch":
+        options.pop("sketch_map", None)
     if mode == "standard":
         options.pop("window", None)
         return StandardState(family, state, **options)

@@ -179,7 +179,12 @@ def _plot_error_rank(result: VerifyResult, path: Path) -> None:
     runs: list[ConfigResult] = [
         c for c in result.configs if c.mode == "sketch" and c.basis == result.config("sketch").basis
     ]
-    runs = [c for c in runs if not c.shared and c.read_dtype == result.config("sketch").read_dtype]
+    main = result.config("sketch")
+    runs = [
+        c
+        for c in runs
+        if not c.shared and c.read_dtype == main.read_dtype and c.sketch_map == main.sketch_map
+    ]
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     layers = sorted({layer for c in runs for layer in c.read_error})
     for layer in layers:

@@ -8,7 +8,10 @@ numbers):
 - main: ``standard``, ``replay`` and ``sketch`` (the artifact's ranks);
 - ablations: PCA and random bases at the artifact's budget, and a low-precision read copy with two
   precisions against the same precision ``shared`` by the single checkpoint;
-- rank sweep: the sketch re-fitted at each ``rank`` budget from the calibration statistics.
+- rank sweep: the sketch re-fitted at each ``rank`` budget from the calibration statistics;
+- sketch map: each static sketch row (the artifact's, the sweep's) again as an adaptive sketch at
+  its read bytes (:mod:`sketchcal.verify.adaptive`), and ``sketch_map`` runs every sketch row with
+  the map asked for.
 
 Basis ablations and the rank sweep re-fit the sketch in memory with ``convert``'s own steps
 (:func:`~sketchcal.artifact.convert.fit_sketch`, :func:`~sketchcal.artifact.convert.sketch_section`)
@@ -18,7 +21,7 @@ on the statistics the artifact was made from: ``stats=`` or the artifact's calib
 from __future__ import annotations
 
 import shlex
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +38,7 @@ from sketchcal.models import ModelSpec
 from sketchcal.runtime import enabled
 from sketchcal.runtime.precision import dtype_name, parse_dtype
 from sketchcal.settings import VerifySettings, api_signature
+from sketchcal.verify.adaptive import adaptive_counterpart
 from sketchcal.verify.metrics import ReadErrorMeter, TokenMetrics
 from sketchcal.verify.retrieval import RecallSet, build_recall, recall_hits
 
@@ -53,6 +57,7 @@ class RunConfig:
     shared: bool = False
     basis: str | None = None
     budget: float | None = None  # mean-rank budget the sketch was fitted for
+    sketch_map: str = "static"  # sketch mode: the offline maps, or maps made at each flush
 
 
 @dataclass
@@ -77,6 +82,7 @@ class ConfigResult:
     read_error: dict[int, float]  # per layer, Σ‖Δ‖²/Σ‖exact‖² of the non-flush reads
     retrieval_accuracy: float | None
     traffic: dict[str, float]
+    sketch_map: str = "static"
 
     @property
     def mean_read_error(self) -> float:
@@ -226,14 +232,20 @@ def layer_ranks(art: SketchArtifact) -> dict[int, list[int]]:
 
 
 def traffic(
-    spec: ModelSpec, ranks: dict[int, list[int]] | None, window: int, read_dtype: str, buffer_dtype: str
+    spec: ModelSpec,
+    ranks: dict[int, list[int]] | None,
+    window: int,
+    read_dtype: str,
+    buffer_dtype: str,
+    adaptive: bool = False,
 ) -> dict[str, float]:
-    """Per-token state traffic of all mixer layers (:mod:`sketchcal.fit.traffic`); ranks None = replay."""
+    """Per-token state traffic of all mixer layers (:mod:`sketchcal.fit.traffic`); ranks None = replay;
+    ``adaptive``: the ranks are an adaptive sketch's."""
     total = replay = standard = 0.0
     models = traffic_models(spec.family, spec.layers, window, read_dtype, buffer_dtype)
     for shape, tm in zip(spec.layers, models, strict=True):
         heads = ranks[shape.layer] if ranks is not None else [0] * shape.heads
-        total += sum(tm.step_bytes(m) for m in heads)
+        total += sum(replace(tm, adaptive=adaptive).step_bytes(m) for m in heads)
         replay += shape.heads * tm.step_bytes(0)
         standard += shape.heads * tm.standard_step_bytes()
     return {
@@ -270,6 +282,8 @@ def teacher_forced(
     kw: dict[str, Any] = {"prefill": prompt, "window": window, "probe": probe}
     if cfg.mode != "standard":
         kw.update(read_dtype=cfg.read_dtype, shared=cfg.shared)
+    if cfg.mode == "sketch":
+        kw.update(sketch_map=cfg.sketch_map)
     with torch.no_grad(), enabled(model, cfg.artifact, cfg.mode, **kw):
         out = model(input_ids=ids, use_cache=False, logits_to_keep=ids.shape[1] - prompt)
     return out.logits
@@ -349,6 +363,35 @@ def _configs(
     return cfgs
 
 
+def with_sketch_map(
+    cfgs: list[RunConfig], spec: ModelSpec, sketch_map: str | None, ablations: bool
+) -> list[RunConfig]:
+    """``cfgs`` with every sketch row run with ``sketch_map`` (None: the artifact's own), and, with
+    ``ablations``, each static sketch row followed by its adaptive counterpart at the same read
+    bytes (``NAME · adaptive map``)."""
+    basis = next((c.basis for c in cfgs if c.group == "main" and c.mode == "sketch"), None)
+    out = []
+    for c in cfgs:
+        if c.mode == "sketch" and c.artifact is not None:
+            own = str(c.artifact.config.get("sketch_map", "static"))
+            c = replace(c, sketch_map=sketch_map or own)
+            if c.sketch_map == "adaptive" and own != "adaptive":
+                c = replace(c, artifact=adaptive_counterpart(c.artifact, spec))
+        out.append(c)
+        counterpart = c.group in ("main", "rank sweep") and c.basis == basis and c.sketch_map == "static"
+        if ablations and c.mode == "sketch" and counterpart:
+            out.append(
+                replace(
+                    c,
+                    name=f"{c.name} · adaptive map",
+                    group="sketch map",
+                    artifact=adaptive_counterpart(c.artifact, spec),
+                    sketch_map="adaptive",
+                )
+            )
+    return out
+
+
 def verify(model_dir: str | Path, **options: Any) -> VerifyResult:
     """Measure a converted model's sketch against the full-state model and write a report.
 
@@ -418,7 +461,9 @@ def run_verify(settings: VerifySettings) -> VerifyResult:
         )
 
     refits = Refits(stats, art) if stats is not None else None
-    cfgs = _configs(art, read_dtype, refits, s.rank, s.ablations, notes)
+    cfgs = with_sketch_map(
+        _configs(art, read_dtype, refits, s.rank, s.ablations, notes), spec, s.sketch_map, s.ablations
+    )
     metrics = {c.name: TokenMetrics(window) for c in cfgs}
     meters = {c.name: ReadErrorMeter(window) for c in cfgs}
     hits: dict[str, list[torch.Tensor]] = {c.name: [] for c in cfgs}
@@ -474,10 +519,16 @@ def run_verify(settings: VerifySettings) -> VerifyResult:
                 read_error=meters[c.name].per_layer(),
                 retrieval_accuracy=acc,
                 traffic=traffic(
-                    spec, ranks_c, window, c.read_dtype if c.mode != "standard" else "fp32", buffer_dtype
+                    spec,
+                    ranks_c,
+                    window,
+                    c.read_dtype if c.mode != "standard" else "fp32",
+                    buffer_dtype,
+                    adaptive=c.sketch_map == "adaptive",
                 )
                 if c.mode != "standard"
                 else {},
+                sketch_map=c.sketch_map,
             )
         )
     result = VerifyResult(
@@ -512,6 +563,8 @@ def _command(s: VerifySettings) -> str:
     parts += ["--tokens", str(s.tokens), "--prompt", str(s.prompt), "--samples", str(s.samples)]
     for r in s.rank:
         parts += ["--rank", f"{r:g}"]
+    if s.sketch_map:
+        parts += ["--sketch-map", s.sketch_map]
     if s.stats:
         parts += ["--stats", str(s.stats)]
     return shlex.join(parts)
