@@ -51,6 +51,9 @@ def output_weights(
             logp = torch.log_softmax(logits[:, prompt_end:].float(), dim=-1)
             with torch.no_grad():
                 probs = logp.exp().flatten(0, 1)
+                # a row with NaN or Inf (a broken model) is drawn from uniformly: its γ comes out
+                # non-finite too, and the statistics' finiteness check names the layer
+                probs = torch.where(torch.isfinite(probs).all(-1, keepdim=True), probs, 1.0)
                 y = torch.multinomial(probs, 1, generator=generator).view(logp.shape[:-1])
             picked = logp.gather(-1, y[..., None]).squeeze(-1)
             objective = (picked * valid[:, prompt_end:].to(picked.dtype)).sum()
