@@ -8,6 +8,7 @@ records; the README's verify table of the default model is reproduced by its lis
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -99,12 +100,29 @@ def test_metrics_json_matches_the_shipped_weights(family):
     assert evals[0]["heldout_loss"] > 7.0 > 4.0 > evals[-1]["heldout_loss"]
 
 
+def _demo_tables():
+    spec = importlib.util.spec_from_file_location("demo_tables", DEMO / "tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_readme_verify_table_of_the_default_model_reproduces(tmp_path):
-    """``docs/demo-models/run.sh gdn`` (the README's command) gives the committed verify.json."""
+    """``docs/demo-models/run.sh gdn`` (the README's command) gives the committed verify.json: the
+    same rows (the README's, the uniform-ranks and adaptive-map ablations) with the same numbers;
+    the README's tiny-gdn table is what ``tables.py`` renders from that verify.json."""
+    report = json.loads((DEMO / "gdn" / "verify.json").read_text())
+    rendered = _demo_tables().table(report)
+    assert rendered in (ROOT / "README.md").read_text(), rendered
     env = dict(os.environ, HF_HUB_OFFLINE="1", DEMO_OUT=str(tmp_path))
     subprocess.run(["bash", str(DEMO / "run.sh"), "gdn"], check=True, env=env, capture_output=True)
     got = {c["name"]: c for c in json.loads((tmp_path / "gdn" / "verify.json").read_text())["configs"]}
     want = {c["name"]: c for c in json.loads((DEMO / "gdn" / "verify.json").read_text())["configs"]}
+    for name in ("standard", "replay", "sketch", "sketch · pca basis", "sketch · uniform ranks"):
+        assert name in want, name  # the rows the README's table is built from
+    for rank in (4, 16):
+        for suffix in ("", " · pca basis", " · uniform ranks"):
+            assert f"sketch · rank {rank}{suffix}" in want, (rank, suffix)
     assert got.keys() == want.keys()
     for name, w in want.items():
         g = got[name]
