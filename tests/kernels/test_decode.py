@@ -777,7 +777,7 @@ def _many_heads_per_program(family, op, capacity, config, cyclic=False, ranks=No
     assert torch.equal(got.state[untouched], pool.state[untouched])
 
 
-# KDA's persistent sweep with deferred decays (kernels/kda/flush_sweep.py), work items of block_v
+# KDA's persistent sweep with deferred decays (sketchcal/kernels/kda/flush_sweep.py), work items of block_v
 # value columns: 16 per warp at 8 warps (a head per item), one program per SM; at 4 warps (half a
 # head), two or three programs per SM; at 2 warps (a quarter), four. 8 per warp: half a head on 8
 # warps, a quarter on 4, four programs per SM

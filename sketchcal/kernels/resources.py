@@ -2,12 +2,12 @@
 
 Run from the repository root with the package installed (``pip install -e .``)::
 
-    python kernels/resources.py                 # every kernel, default launch shapes, sm_90
-    python kernels/resources.py read gdn read,64,1,group=4 [replay]
+    python -m sketchcal.kernels.resources                 # every kernel, default launch shapes, sm_90
+    python -m sketchcal.kernels.resources read gdn read,64,1,group=4 [replay]
                                                 # one build: KERNEL FAMILY SHAPE (bench.parse_config's
                                                 # short form); KERNEL: standard, read, flush, or
                                                 # split_group / split_heads (Mamba-2's split_read)
-    python kernels/resources.py check           # compile every default, tuning candidate and
+    python -m sketchcal.kernels.resources check           # compile every default, tuning candidate and
                                                 # fallback, both modes, 1 and 3 tokens; exit 1 if
                                                 # any fails
 
