@@ -62,39 +62,10 @@ SIZE_LIMIT_BYTES = 15 * 2**20  # bf16 safetensors budget per model (the issue's 
 
 
 def _bootstrap_sketchcal() -> None:
-    """Make ``sketchcal`` importable from a plain checkout (e.g. on a GPU machine without an install).
-
-    An installed (or editable) sketchcal is used as is. Otherwise the repository root goes on
-    ``sys.path`` and ``kernels/`` is registered as ``sketchcal.kernels`` (pyproject's package-dir
-    mapping) before the package's ``__init__`` runs.
-    """
-    if importlib.util.find_spec("sketchcal") is not None:
-        try:
-            import sketchcal.kernels  # noqa: F401  (installed, or an editable install)
-
-            return
-        except ModuleNotFoundError as err:  # a plain checkout on sys.path (e.g. the current directory)
-            if err.name != "sketchcal.kernels":
-                raise
-            for name in [m for m in sys.modules if m == "sketchcal" or m.startswith("sketchcal.")]:
-                del sys.modules[name]
-    if str(ROOT) not in sys.path:
+    """Make ``sketchcal`` importable from a plain checkout (e.g. on a GPU machine without an install):
+    an installed (or editable) sketchcal is used as is, else the repository root goes on ``sys.path``."""
+    if importlib.util.find_spec("sketchcal") is None and str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    spec = importlib.util.spec_from_file_location(
-        "sketchcal", ROOT / "sketchcal" / "__init__.py", submodule_search_locations=[str(ROOT / "sketchcal")]
-    )
-    kernels_dir = str(ROOT / "kernels")
-    kspec = importlib.util.spec_from_file_location(
-        "sketchcal.kernels", ROOT / "kernels" / "__init__.py", submodule_search_locations=[kernels_dir]
-    )
-    assert spec is not None and spec.loader is not None and kspec is not None and kspec.loader is not None
-    pkg = importlib.util.module_from_spec(spec)
-    sys.modules["sketchcal"] = pkg
-    kernels = importlib.util.module_from_spec(kspec)
-    sys.modules["sketchcal.kernels"] = kernels
-    kspec.loader.exec_module(kernels)
-    pkg.kernels = kernels  # type: ignore[attr-defined]
-    spec.loader.exec_module(pkg)
 
 
 _bootstrap_sketchcal()

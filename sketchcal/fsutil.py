@@ -152,26 +152,28 @@ def check_writable(path: str | os.PathLike, need_bytes: int, what: str, option: 
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success it is fsynced and renamed onto ``path``.
 
-    On any error the temporary file is removed and ``path`` is left as it was.
+    The temporary file lives in a private directory beside ``path``, named as this module names its
+    temporaries, so that whatever the writer puts beside it (safetensors writes through a temporary
+    file of its own) goes with that directory: on an error here, or with the next run's
+    :func:`remove_stale_temporaries` after a kill. ``path`` is left as it was on any error.
     """
     path = Path(path)
     with disk_errors(str(path)):
         path.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temporaries(path.parent)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{_owner_tag()}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp_path = Path(tmp)
-    os.chmod(tmp_path, 0o666 & ~_umask())  # mkstemp creates 0600; give the file normal permissions
+        prefix = f".{path.name}.{_owner_tag()}."
+        tmp_dir = Path(tempfile.mkdtemp(prefix=prefix, suffix=".tmp", dir=path.parent))
+    tmp_path = tmp_dir / path.name
     try:
         with disk_errors(str(path)):
             yield tmp_path
+            os.chmod(tmp_path, 0o666 & ~_umask())  # writers may create it 0600; give it normal permissions
             with open(tmp_path, "rb+") as fh:
                 os.fsync(fh.fileno())
             os.replace(tmp_path, path)
             _fsync_dir(path.parent)
     finally:
-        if tmp_path.exists():
-            tmp_path.unlink()
+        shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
 def finite_json(obj: Any) -> Any:

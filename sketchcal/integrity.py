@@ -41,6 +41,18 @@ def file_digest(path: str | os.PathLike) -> str:
     return digest
 
 
+def tensor_file_digests(root: str | os.PathLike, known: dict[str, str] | None = None) -> dict[str, str]:
+    """:func:`file_digest` of every ``*.safetensors`` file under ``root``, by relative path (what a
+    converted model's ``sketch_config.files`` records); a file named in ``known`` takes its digest
+    from there (a base weight file linked or copied, already hashed)."""
+    root, known = Path(root), known or {}
+    out = {}
+    for f in sorted(root.rglob("*.safetensors")):
+        rel = f.relative_to(root).as_posix()
+        out[rel] = known.get(rel) or file_digest(f)
+    return out
+
+
 def weight_files(model_dir: str | os.PathLike) -> list[str]:
     """The top-level ``*.safetensors`` files of ``model_dir``, sorted by name."""
     d = Path(model_dir)

@@ -342,5 +342,10 @@ class VerifySettings(CommandSettings):
         from sketchcal.models.loading import DTYPES
 
         _choice("dtype", self.dtype, tuple(DTYPES))
-        if self.sketch_map not in (None, "static", "adaptive"):
-            raise SketchcalError(f"--sketch-map must be static or adaptive, got {self.sketch_map!r}")
+        if self.sketch_map is not None:
+            from sketchcal.runtime.sketch import SKETCH_MAPS
+
+            if self.sketch_map not in SKETCH_MAPS:
+                raise SketchcalError(
+                    f"--sketch-map must be {' or '.join(SKETCH_MAPS)}, got {self.sketch_map!r}"
+                )

@@ -93,6 +93,7 @@ def write_synthetic_sketch(model_dir: Path, rank: int, window: int = 16, seed: i
     from sketchcal.artifact.fingerprint import load_config
     from sketchcal.artifact.sketch import CONFIG_KEY, SKETCH_FILE, SKETCH_FORMAT, SKETCH_VERSION, SketchLayer
     from sketchcal.artifact.sketch import write_sketch as write_tensors
+    from sketchcal.integrity import tensor_file_digests
     from sketchcal.models import describe
 
     with torch.device("meta"):
@@ -124,5 +125,7 @@ def write_synthetic_sketch(model_dir: Path, rank: int, window: int = 16, seed: i
         "fingerprint": spec.fingerprint,
         "traffic": {"state_dtype": "float32", "read_dtype": "float32", "buffer_dtype": "bfloat16"},
         "layers": [{**s.as_dict(), "ranks": [rank] * s.heads} for s in spec.layers],
+        # the sha256 of every tensor file, as convert records them
+        "files": tensor_file_digests(model_dir),
     }
     (Path(model_dir) / "config.json").write_text(json.dumps(cfg))

@@ -39,9 +39,12 @@ def _killed_writer(tmp_path: Path, kind: str) -> Path:
         import os, signal, sys
         from sketchcal.fsutil import atomic_dir, atomic_path
         target = sys.argv[1]
-        if {kind!r} == "file":
+        if {kind!r} in ("file", "file-side"):
             with atomic_path(target) as tmp:
-                tmp.write_bytes(b"x" * 1000)
+                if {kind!r} == "file-side":  # a writer with a temporary of its own, as safetensors has
+                    (tmp.parent / ".tmpAbC123").write_bytes(b"x" * 1000)
+                else:
+                    tmp.write_bytes(b"x" * 1000)
                 os.kill(os.getpid(), signal.SIGKILL)
         else:
             with atomic_dir(target) as tmp:
@@ -55,7 +58,7 @@ def _killed_writer(tmp_path: Path, kind: str) -> Path:
     return target
 
 
-@pytest.mark.parametrize("kind", ["file", "dir"])
+@pytest.mark.parametrize("kind", ["file", "file-side", "dir"])
 def test_a_killed_write_leaves_a_temporary_that_the_next_write_removes(tmp_path, kind):
     target = _killed_writer(tmp_path, kind)
     assert not target.exists()

@@ -152,3 +152,25 @@ def test_page_plan_layout():
     _, views = pack_pages(((H, V, K), *fp32.shapes), (torch.bfloat16, *fp32.dtypes), 2)
     with pytest.raises(SketchcalError, match="--mamba-ssm-cache-dtype float32"):
         fp32.pool(views[0].transpose(-1, -2), views[1:])
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "nemotron_h", "kimi_linear"])
+def test_synthetic_sketch_of_the_plugin_tests_is_a_valid_artifact(tmp_path, model_type):
+    """The plugin's tests (run only with vLLM) build their converted models with this helper; the
+    artifact reader must accept it, and still catch a changed byte, so they test the plugin and not
+    a stale artifact format."""
+    from helpers import write_synthetic_sketch
+
+    from sketchcal.artifact.sketch import SKETCH_FILE, read_sketch
+    from sketchcal.models.tiny import tiny_config
+
+    tiny_config(model_type).save_pretrained(tmp_path)
+    write_synthetic_sketch(tmp_path, rank=8)
+    art = read_sketch(tmp_path, config=tmp_path)
+    assert art.layers and all(int(lay.ranks.min()) == 8 for lay in art.layers)
+    f = tmp_path / SKETCH_FILE
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(SketchcalError):
+        read_sketch(tmp_path, config=tmp_path)

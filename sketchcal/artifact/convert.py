@@ -55,7 +55,7 @@ from sketchcal.fit.shrinkage import SHRINKAGE_METHODS
 from sketchcal.fit.traffic import TrafficModel, dtype_bytes
 from sketchcal.formats.stats import Stats, load_stats
 from sketchcal.fsutil import atomic_dir, check_writable, finite_json
-from sketchcal.integrity import file_digest, save_safetensors, short, weights_fingerprint
+from sketchcal.integrity import save_safetensors, short, tensor_file_digests, weights_fingerprint
 from sketchcal.settings import ConvertSettings, api_signature
 
 if TYPE_CHECKING:
@@ -462,7 +462,7 @@ def write_artifact(inputs: ConvertInputs, fit: SketchFit) -> ConvertResult:
         (tmp / MANIFEST_COPY).write_text(json.dumps(stats.manifest, indent=2) + "\n")
         (tmp / ALLOCATION_FILE).write_text(json.dumps(finite_json(alloc.to_dict()), indent=2) + "\n")
         _write_curves(tmp / CURVES_FILE, fit.fits)
-        section["files"] = _digests(tmp, inputs.base_digests if inputs.weights == "full" else {})
+        section["files"] = tensor_file_digests(tmp, inputs.base_digests if inputs.weights == "full" else {})
         config[CONFIG_KEY] = section
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "README.md").write_text(
@@ -488,16 +488,6 @@ def write_artifact(inputs: ConvertInputs, fit: SketchFit) -> ConvertResult:
         shrinkage_scores=fit.shrinkage_scores,
         notes=notes,
     )
-
-
-def _digests(root: Path, known: dict[str, str]) -> dict[str, str]:
-    """sha256 of every ``*.safetensors`` file under ``root`` by relative path; a weight file linked or
-    copied from the base takes its digest from ``known`` (the base's, already computed)."""
-    out = {}
-    for f in sorted(root.rglob("*.safetensors")):
-        rel = f.relative_to(root).as_posix()
-        out[rel] = known.get(rel) or file_digest(f)
-    return out
 
 
 def _write_curves(path: Path, fits: list[LayerFit]) -> None:

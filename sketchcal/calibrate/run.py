@@ -360,7 +360,9 @@ def run_calibration(settings: CalibrateSettings) -> dict[str, Any]:
         "timing": timing,
         "layers": [shape.as_dict() for shape in loaded.spec.layers],
     }
-    manifest = write_final(out, totals, manifest)
+    # the plot comes first: once write_final drops the progress, the directory must be complete,
+    # or a run killed in between would leave one that can neither be resumed nor started again
     spectra_plot(out / "calibration.png", manifest, totals)
+    manifest = write_final(out, totals, manifest)
     world.barrier()
     return manifest

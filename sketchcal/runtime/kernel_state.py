@@ -43,7 +43,7 @@ from torch import Tensor
 from sketchcal.artifact.sketch import SketchLayer
 from sketchcal.errors import SketchcalError
 
-# ---- the kernels: every name this backend takes from kernels/ (re-point here when they move) ----
+# ---- the kernels: every name this backend takes from sketchcal/kernels/ (re-point here when they move) ----
 from sketchcal.kernels.common import StepInputs
 from sketchcal.kernels.common.pool import sketch_tables
 from sketchcal.kernels.dispatch import (

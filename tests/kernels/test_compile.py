@@ -1,10 +1,11 @@
 """Every launch of the decode kernels compiles for sm_90 with Triton's own ptxas, no GPU needed.
 
 The other CPU tests run the kernels in Triton's interpreter, which lets through what only the
-compiler checks: a constexpr assigned twice, a mismatched type. ``kernels/resources.py check``
-compiles every default launch shape and tuning candidate, in both modes and over 1 and 3 tokens.
-It runs in a subprocess, because this directory's conftest sets ``TRITON_INTERPRET`` for the
-interpreter tests, and Triton reads it when a kernel is decorated.
+compiler checks: a constexpr assigned twice, a mismatched type.
+``python -m sketchcal.kernels.resources check`` compiles every default launch shape and tuning
+candidate, in both modes and over 1 and 3 tokens. It runs in a subprocess, because this
+directory's conftest sets ``TRITON_INTERPRET`` for the interpreter tests, and Triton reads it when
+a kernel is decorated.
 """
 
 import os
@@ -24,7 +25,7 @@ def test_every_launch_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # Triton 3.6's default, as on the device
     r = subprocess.run(
-        [sys.executable, str(ROOT / "kernels" / "resources.py"), "check"],
+        [sys.executable, "-m", "sketchcal.kernels.resources", "check"],
         env=env,
         capture_output=True,
         text=True,

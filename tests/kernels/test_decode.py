@@ -59,15 +59,17 @@ def run_case(
     real: bool = False,
     config=None,
     fp32_tol: float = 1e-5,
+    tokens: int | None = None,
+    capacity: int | None = None,
 ):
     h, g, kd, vd = shape
     dtype = DTYPES.get(dtype_name, torch.bfloat16)
     read_dtype = FP8 if dtype_name == "fp8" else dtype
     gen = torch.Generator().manual_seed(seed)
-    n_slots, cap = 7, (16 if real else 5)
+    n_slots, cap = 7, capacity or (16 if real else 5)
     slots = torch.tensor([4, -1, 0, 6, 2], dtype=torch.int32, device=device)
     b = slots.numel()
-    tokens = 3 if op.startswith("spec") else 1
+    tokens = tokens or (3 if op.startswith("spec") else 1)
     sketch = op.endswith("sketch")
     tables = random_sketch(family, _ranks(h, kd, real), g, kd, gen).to(device)
     pool = random_pool(
@@ -128,6 +130,15 @@ def run_case(
 @pytest.mark.parametrize("family", FAMILIES)
 def test_kernel_cpu(family, shape_id, op, dtype):
     run_case(family, op, CPU_SHAPES[family][shape_id], dtype, "cpu", seed=shape_id)
+
+
+@pytest.mark.parametrize("op", ["spec", "spec_sketch"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_long_verify_in_several_launches_cpu(family, op):
+    """More tokens than one read launch takes (``READ_TOKENS_PER_LAUNCH``): the later launches find
+    the earlier tokens in the buffer, and the outputs and buffers are the reference's."""
+    tokens = 2 * dispatch.READ_TOKENS_PER_LAUNCH + 1
+    run_case(family, op, CPU_SHAPES[family][1], "fp32", "cpu", seed=9, tokens=tokens, capacity=tokens + 3)
 
 
 @pytest.mark.parametrize("op", ["replay", "sketch", "spec_sketch"])
@@ -777,7 +788,7 @@ def _many_heads_per_program(family, op, capacity, config, cyclic=False, ranks=No
     assert torch.equal(got.state[untouched], pool.state[untouched])
 
 
-# KDA's persistent sweep with deferred decays (kernels/kda/flush_sweep.py), work items of block_v
+# KDA's persistent sweep with deferred decays (sketchcal/kernels/kda/flush_sweep.py), work items of block_v
 # value columns: 16 per warp at 8 warps (a head per item), one program per SM; at 4 warps (half a
 # head), two or three programs per SM; at 2 warps (a quarter), four. 8 per warp: half a head on 8
 # warps, a quarter on 4, four programs per SM

@@ -59,6 +59,7 @@ def test_refuses_vllm_replayssm(converted):
 
 def test_refuses_a_sketch_of_another_model(converted, tmp_path):
     from sketchcal.artifact.fingerprint import config_fingerprint
+    from sketchcal.integrity import file_digest
     from sketchcal.models.tiny import tiny_config
 
     other = tmp_path / "other"
@@ -68,6 +69,8 @@ def test_refuses_a_sketch_of_another_model(converted, tmp_path):
     write_sketch(other / SKETCH_FILE, art.layers, family="mamba2", window=16, fingerprint=foreign)
     cfg = json.loads((other / "config.json").read_text())
     cfg["sketch_config"]["fingerprint"] = foreign
+    # a whole, intact artifact of that other model: its file hash recorded as convert records it
+    cfg["sketch_config"]["files"][SKETCH_FILE] = file_digest(other / SKETCH_FILE)
     (other / "config.json").write_text(json.dumps(cfg))
     assert "fitted for another model" in refusal(other, **SERVABLE)
 

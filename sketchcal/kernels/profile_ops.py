@@ -3,7 +3,7 @@
 Run from the repository root on a CUDA machine, under Nsight Compute for example::
 
     ncu --set full -k regex:_read_kernel --launch-skip 2 --launch-count 1 \\
-        python3 kernels/profile_ops.py gdn sketch_step
+        python3 sketchcal/kernels/profile_ops.py gdn sketch_step
 
 ``OP`` is one of ``standard``, ``replay_step``, ``sketch_step``, ``replay_flush``,
 ``sketch_flush``. The window kernels run with ``--pos`` buffered tokens (default 8, a mid-window

@@ -1,11 +1,11 @@
 """Run the ``gpu`` kernel tests or the decode benchmark on a CUDA machine, from a plain checkout.
 
-Run from the repository root (no install needed: :func:`bootstrap` registers ``kernels/`` as
-``sketchcal.kernels``)::
+Run from the repository root (no install needed: :func:`bootstrap` puts the repository root on
+``sys.path``)::
 
-    python kernels/gpu_check.py tests [PYTEST_ARGS…]   # pytest -m gpu tests/kernels
-    python kernels/gpu_check.py bench [FAMILY…]        # per family: batch 256 tuned, then 64 and 512
-    python kernels/gpu_check.py                        # both
+    python sketchcal/kernels/gpu_check.py tests [PYTEST_ARGS…]  # pytest -m gpu tests/kernels
+    python sketchcal/kernels/gpu_check.py bench [FAMILY…]  # per family: batch 256 tuned, then 64, 512
+    python sketchcal/kernels/gpu_check.py                  # both
 
 Results go to ``$OUT`` (default ``./gpu_out``): ``gpu_tests.xml`` (JUnit), ``bench.json`` and
 ``summary.txt`` (one line per benchmark). The public kernels are timed beside ours when they
@@ -20,28 +20,15 @@ import os
 import sys
 import time
 import traceback
-import types
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository root
 
 
 def bootstrap() -> None:
-    """Make ``sketchcal.kernels`` importable from a plain checkout (kernels/ is installed as
-    ``sketchcal.kernels``) without running the package's ``__init__``."""
-    if "sketchcal.kernels" in sys.modules:
-        return
-    pkg = types.ModuleType("sketchcal")
-    pkg.__path__ = [str(ROOT / "sketchcal")]
-    sys.modules.setdefault("sketchcal", pkg)
-    spec = importlib.util.spec_from_file_location(
-        "sketchcal.kernels",
-        ROOT / "kernels" / "__init__.py",
-        submodule_search_locations=[str(ROOT / "kernels")],
-    )
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["sketchcal.kernels"] = mod
-    spec.loader.exec_module(mod)
+    """Make ``sketchcal.kernels`` importable from a plain checkout (the repository root on ``sys.path``)."""
+    if importlib.util.find_spec("sketchcal") is None and str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
 
 
 def out_dir() -> Path:

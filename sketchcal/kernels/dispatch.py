@@ -364,6 +364,12 @@ def standard_step(
     return out
 
 
+# The read kernel unrolls its T new tokens, and per token the buffer sweep and the checkpoint read,
+# so its build time grows quickly with T (a 15-token sketch read took minutes to build); longer
+# calls are read in launches of at most this many tokens.
+READ_TOKENS_PER_LAUNCH = 4
+
+
 def spec_verify(
     family: str, pool: DecodePool, slots: Tensor, pos: Tensor, x: StepInputs, out: Tensor | None = None, *,
     tables: SketchTables | None = None, config: KernelConfig | None = None,
@@ -380,9 +386,20 @@ def spec_verify(
     kernel = "sketch" if sketch else "replay"
     cfg = config or default_config(kernel, family, pool.read.dtype)
     _launcher(cfg, kernel, family)  # the config's own form must serve this kernel
-    cfg = runnable(cfg, family, pool, tables, t)
     out = _out(out, x, h, t)
-    _launcher(cfg, kernel, family)(family, pool, tables, slots, pos, x, out, cfg)
+    if t <= READ_TOKENS_PER_LAUNCH:
+        cfg = runnable(cfg, family, pool, tables, t)
+        _launcher(cfg, kernel, family)(family, pool, tables, slots, pos, x, out, cfg)
+        return out
+    # a later chunk finds the earlier chunks' tokens in the buffer: the same sums as one launch
+    for start in range(0, t, READ_TOKENS_PER_LAUNCH):
+        stop = min(start + READ_TOKENS_PER_LAUNCH, t)
+        part = x.tokens(slice(start, stop)).map(Tensor.contiguous)
+        part_out = out[:, start:stop].contiguous()  # padding entries keep what out holds
+        part_cfg = runnable(cfg, family, pool, tables, stop - start)
+        launch = _launcher(part_cfg, kernel, family)
+        launch(family, pool, tables, slots, pos + start, part, part_out, part_cfg)
+        out[:, start:stop].copy_(part_out)
     return out
 
 

@@ -1,15 +1,15 @@
 """Registers and spills of the decode kernels, compiled offline for a CUDA target (no GPU needed).
 
-Run from the repository root with the package installed (``pip install -e .``)::
+With the package installed (``pip install -e .``)::
 
-    python kernels/resources.py                 # every kernel, default launch shapes, sm_90
-    python kernels/resources.py read gdn read,64,1,group=4 [replay]
-                                                # one build: KERNEL FAMILY SHAPE (bench.parse_config's
-                                                # short form); KERNEL: standard, read, flush, or
-                                                # split_group / split_heads (Mamba-2's split_read)
-    python kernels/resources.py check           # compile every default, tuning candidate and
-                                                # fallback, both modes, 1 and 3 tokens; exit 1 if
-                                                # any fails
+    python -m sketchcal.kernels.resources            # every kernel, default launch shapes, sm_90
+    python -m sketchcal.kernels.resources check      # compile every default, tuning candidate and
+                                                     # fallback, both modes, 1 and 3 tokens; exit 1
+                                                     # if any fails
+    python -m sketchcal.kernels.resources read gdn read,64,1,group=4 [replay]
+
+The last form is one build: KERNEL FAMILY SHAPE (``bench.parse_config``'s short form), KERNEL one
+of standard, read, flush, or split_group / split_heads (Mamba-2's split_read).
 
 Prints one line per build: kernel, family, mode, launch shape, registers per thread, stack
 bytes (spills), and the occupancy those registers allow (warps per SM out of 64, from the 64 K-register
