@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Regenerates the verify tables of the shipped demo models (README, "The demo models"), offline on
-# the CPU (20-30 minutes per model on 2 busy cores): for each model, calibrate 32 samples of 512
-# tokens of the built-in corpus, convert at mean rank 8, and verify on 8 held-out samples of 16 + 512
-# tokens in float32 (verify's defaults but --samples) with a rank sweep over 4 and 16 (each rank with
-# the allocation, uniform ranks, the state-weighted and the PCA basis). Writes <family>/ (verify.json, report.md, plots) and,
-# when all three were run, tables.md, into $DEMO_OUT (default: beside this script).
+# the CPU (about 5 minutes per model on 2 cores): for each model, calibrate 32 samples of 512 tokens
+# of the built-in corpus, convert at mean rank 8, and verify on 8 held-out samples of 16 + 512 tokens
+# in float32 (verify's defaults but --samples) with a rank sweep over 4 and 16 (each rank with the
+# allocation, uniform ranks, the state-weighted and the PCA basis, static and adaptive maps). Writes
+# <family>/ (verify.json, report.md, plots) and, when all three were run, tables.md, into $DEMO_OUT
+# (default: beside this script).
 #
 # Usage: bash docs/demo-models/run.sh [gdn] [mamba2] [kda]      (default: all three)
 set -euo pipefail

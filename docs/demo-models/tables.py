@@ -1,4 +1,5 @@
-"""One markdown table per demo model from the ``verify.json`` files that ``run.sh`` writes.
+"""The README's demo-model tables from the ``verify.json`` files that ``run.sh`` writes: one table per
+model, then one of static against adaptive maps at equal bytes.
 
 Usage: ``python docs/demo-models/tables.py docs/demo-models > docs/demo-models/tables.md``
 """
@@ -66,15 +67,40 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def adaptive_table(reports: dict[str, dict]) -> str:
+    """Each model's allocation at mean ranks 4, 8 and 16 with its static map, and with adaptive maps
+    at the ranks that read no more bytes (``· adaptive map`` rows)."""
+    lines = [
+        "| model | static: mean rank | KL | top-1 | B/token | adaptive: mean rank | KL | top-1 | B/token |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for family, report in reports.items():
+        configs = {c["name"]: c for c in report["configs"]}
+        for rank in RANKS:
+            name = _row_names(rank, configs["sketch"]["budget"])[0]
+            c, a = configs[name], configs[f"{name} · adaptive map"]
+            cells = [
+                f"{x['mean_rank']:.1f} | {x['kl_mean']:.2g} | {100 * x['top1_agreement']:.1f}% | "
+                f"{x['traffic']['bytes_per_token']:,.0f}"
+                for x in (c, a)
+            ]
+            lines.append(f"| tiny-{family} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)
+
+
 def main(folder: str) -> None:
     root = Path(folder)
+    reports = {}
     for family, title in FAMILIES.items():
         path = root / family / "verify.json"
         if not path.is_file():
             raise SystemExit(f"{path} is missing: run {root / 'run.sh'} first")
+        reports[family] = json.loads(path.read_text())
         print(f"### {title}\n")
-        print(table(json.loads(path.read_text())))
+        print(table(reports[family]))
         print()
+    print("### Static and adaptive maps at equal bytes\n")
+    print(adaptive_table(reports))
 
 
 if __name__ == "__main__":

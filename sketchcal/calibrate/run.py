@@ -33,6 +33,9 @@ from sketchcal.models import MixerCall, MixerTap, ModelSpec
 from sketchcal.models.loading import LoadedModel, load_model, resolve_device
 from sketchcal.settings import CalibrateSettings, api_signature
 
+# the options that set build_samples' counts and lengths, named in its errors
+_SAMPLE_OPTIONS = {"num_samples": "--samples", "heldout_samples": "--heldout-samples", "seq_len": "--seq-len"}
+
 
 @dataclass
 class _Batch:
@@ -253,6 +256,7 @@ def run_calibration(settings: CalibrateSettings) -> dict[str, Any]:
         loaded.tokenizer, s.data, num_samples=s.samples, seq_len=s.seq_len,
         heldout_samples=s.heldout_samples, seed=s.seed, chat_template=s.chat_template,
         text_field=s.text_field, revision=s.data_revision,
+        option_names=_SAMPLE_OPTIONS,
     )  # fmt: skip
     if world.is_main:
         prepare_out_dir(out, resume=s.resume, overwrite=s.overwrite, clear=True)

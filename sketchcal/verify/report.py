@@ -123,7 +123,10 @@ def markdown(result: VerifyResult, plots: dict[str, str]) -> str:
     ]
     if result.retrieval:
         r = result.retrieval
-        parts.append(f"- retrieval: {r['task']}, {r['pairs']} pairs, {r['queries']} queries in all")
+        parts.append(
+            f"- retrieval: {r['task']}, {r['pairs']} pairs, {r['queries']} queries in all"
+            + ("" if r.get("applicable", True) else " (not applicable: the full-state model does not do it)")
+        )
     parts += [
         "",
         "KL is KL(standard ‖ config) of the next-token distributions, in nats; top-1 is agreement with "

@@ -45,6 +45,11 @@ from sketchcal.verify.retrieval import RecallSet, build_recall, recall_hits
 LOW_PRECISION = "bf16"  # the shared-precision ablation's dtype when the artifact reads in fp32
 
 
+# The recall rows are reported only where the full-state model does the task: at least this
+# accuracy and 5× chance; below, a sketch's recall says nothing about the sketch.
+RECALL_FLOOR = 0.1
+
+
 @dataclass
 class RunConfig:
     """One decoding configuration to evaluate."""
@@ -446,12 +451,14 @@ def run_verify(settings: VerifySettings) -> VerifyResult:
     sample_set = build_samples(
         loaded.tokenizer,
         s.data,
-        num_samples=1,
+        num_samples=0,
         seq_len=prompt + tokens + 1,
         heldout_samples=s.samples,
         seed=s.seed,
         text_field=s.text_field,
         revision=s.data_revision,
+        evaluation=True,
+        option_names={"heldout_samples": "--samples", "seq_len": "--tokens"},
     )
     held = torch.tensor(sample_set.heldout)
     recall: RecallSet | None = None
@@ -531,6 +538,25 @@ def run_verify(settings: VerifySettings) -> VerifyResult:
                 sketch_map=c.sketch_map,
             )
         )
+    retrieval = None
+    if recall is not None:
+        chance = 1 / recall.n_pairs
+        full = next((r.retrieval_accuracy for r in results if r.mode == "standard"), None)
+        applicable = full is not None and full >= max(RECALL_FLOOR, 5 * chance)
+        retrieval = {
+            "task": "associative recall",
+            "pairs": recall.n_pairs,
+            "queries": recall.num_queries,
+            "full_state_accuracy": full,
+            "applicable": applicable,
+        }
+        if not applicable:
+            notes.append(
+                f"recall: not applicable; the full-state model answers {full:.1%} of the queries "
+                f"(chance {chance:.1%}), so this model does not do the task at this length"
+            )
+            for r in results:
+                r.retrieval_accuracy = None
     result = VerifyResult(
         model_dir=str(model_dir),
         model_id=loaded.model_id,
@@ -542,9 +568,7 @@ def run_verify(settings: VerifySettings) -> VerifyResult:
         samples=len(held),
         dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
         data=sample_set.info,
-        retrieval=None
-        if recall is None
-        else {"task": "associative recall", "pairs": recall.n_pairs, "queries": recall.num_queries},
+        retrieval=retrieval,
         configs=results,
         command=s.command or _command(s),
         notes=notes,
