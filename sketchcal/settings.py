@@ -11,6 +11,7 @@ imports it before any command runs.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import os
@@ -113,6 +114,10 @@ def api_signature(settings: type, positional: str) -> inspect.Signature:
     return inspect.Signature(params)
 
 
+SAMPLES_CPU = 64  # calibration samples by default on the CPU
+SAMPLES_GPU = 256  # and on a GPU
+
+
 def _positive(settings: CommandSettings, *names: str) -> None:
     for name in names:
         value = getattr(settings, name)
@@ -131,10 +136,12 @@ class CalibrateSettings(CommandSettings):
 
     Samples are ``seq_len`` tokens of ``data``. With ``gen_tokens`` > 0 each sample is a prompt followed
     by that many generated tokens, and only those are decoded; otherwise the first ``prompt_len``
-    tokens (default: half) are the prompt and the rest is teacher-forced. Windows of ``window`` tokens
-    start at the end of the prompt. Every ``save_every`` rounds of batches the progress is saved, so
-    an interrupted run continues with ``resume=True``. ``prompt_len`` and ``heldout_samples`` hold
-    their resolved values once the object exists.
+    tokens (default 0: the whole sample is decoded, in windows from its first token) are the prompt
+    and the rest is teacher-forced. Windows of ``window`` tokens start at the end of the prompt.
+    ``samples`` defaults to :data:`SAMPLES_CPU` on the CPU and :data:`SAMPLES_GPU` on a GPU (see
+    :meth:`for_device`). Every ``save_every`` rounds of batches the progress is saved, so an
+    interrupted run continues with ``resume=True``. ``prompt_len`` and ``heldout_samples`` hold
+    their resolved values once the object exists (``heldout_samples`` once ``samples`` does).
     """
 
     model: str | None = option(
@@ -144,10 +151,14 @@ class CalibrateSettings(CommandSettings):
     data: str | None = option(
         None, "builtin (default), a .txt/.jsonl/.parquet file or folder, or a dataset id"
     )
-    samples: int = option(64, "Calibration samples")
-    seq_len: int = option(256, "Tokens per sample")
+    samples: int | None = option(
+        None, f"Calibration samples (default {SAMPLES_CPU} on the CPU, {SAMPLES_GPU} on a GPU)"
+    )
+    seq_len: int = option(512, "Tokens per sample")
     gen_tokens: int = option(0, "Tokens to generate after each sample (0: teacher-forced)")
-    prompt_len: int | None = option(None, "Prompt tokens when not generating (default: half the sample)")
+    prompt_len: int | None = option(
+        None, "Prompt tokens when not generating (default 0: every token is decoded)"
+    )
     window: int = option(16, "Window length L (tokens per flush)")
     heldout_samples: int | None = option(None, "Held-out samples (default: samples/8)")
     heldout_windows: int = option(64, "Held-out windows kept verbatim per layer")
@@ -173,7 +184,9 @@ class CalibrateSettings(CommandSettings):
     def check(self) -> None:
         if self.window < 2:
             raise SketchcalError(f"--window must be at least 2 (got {self.window})")
-        _positive(self, "samples", "seq_len", "batch_size", "save_every")
+        _positive(
+            self, "seq_len", "batch_size", "save_every", *(("samples",) if self.samples is not None else ())
+        )
         if self.gen_tokens < 0 or self.heldout_windows < 0 or (self.heldout_samples or 0) < 0:
             raise SketchcalError("--gen-tokens, --heldout-samples and --heldout-windows must not be negative")
         if self.gen_tokens == 0 and self.prompt_len is not None and not 0 <= self.prompt_len < self.seq_len:
@@ -182,7 +195,7 @@ class CalibrateSettings(CommandSettings):
                 "make it smaller than --seq-len or generate tokens with --gen-tokens"
             )
         if self.prompt_len is None:
-            self._set("prompt_len", self.seq_len if self.gen_tokens > 0 else self.seq_len // 2)
+            self._set("prompt_len", self.seq_len if self.gen_tokens > 0 else 0)
         decoded = self.gen_tokens if self.gen_tokens > 0 else self.seq_len - self.prompt_len
         if self.window > decoded:
             how = "--gen-tokens" if self.gen_tokens > 0 else "--seq-len minus --prompt-len"
@@ -198,8 +211,15 @@ class CalibrateSettings(CommandSettings):
         from sketchcal.models.loading import DTYPES
 
         _choice("dtype", self.dtype, tuple(DTYPES))
-        if self.heldout_samples is None:
+        if self.heldout_samples is None and self.samples is not None:
             self._set("heldout_samples", max(1, self.samples // 8))
+
+    def for_device(self, device: str) -> CalibrateSettings:
+        """These settings with ``samples`` resolved for the resolved ``device`` (``cpu``, ``cuda:N``)."""
+        if self.samples is not None:
+            return self
+        samples = SAMPLES_GPU if device.startswith("cuda") else SAMPLES_CPU
+        return dataclasses.replace(self, samples=samples)
 
     def run_identity(self) -> dict[str, Any]:
         """The fields that define the run's result: a resumed run must have the same."""
@@ -212,10 +232,12 @@ class ConvertSettings(CommandSettings):
 
     Exactly one budget: ``rank`` (mean rank over all heads of all layers, dense heads count as K) or
     ``bytes_per_token`` (state traffic per sequence and decoded token, all mixer layers together; the
-    byte model is :mod:`sketchcal.fit.traffic`). ``model`` defaults to the statistics' model when it
-    is available locally; its fingerprint must match the statistics'. ``shrinkage="auto"`` fits with
-    each E estimator and keeps the one whose allocation has the lowest held-out error. ``read_dtype``
-    and ``buffer_dtype`` only enter the byte model.
+    byte model is :mod:`sketchcal.fit.traffic`). ``allocation="output"`` gives each head the rank
+    that lowers the predicted KL most for its bytes; ``"uniform"`` gives every head the same rank.
+    ``model`` defaults to the statistics' model when it is available locally; its fingerprint must
+    match the statistics'. ``shrinkage="auto"`` fits with each E estimator and keeps the one whose
+    allocation has the lowest held-out predicted KL. ``read_dtype`` and ``buffer_dtype`` only enter
+    the byte model.
     """
 
     stats_dir: str = option(help="Statistics directory written by calibrate, or a Hub id", argument=True)
@@ -228,6 +250,7 @@ class ConvertSettings(CommandSettings):
         None, "Base model (directory, cached Hub id or builtin:NAME); default: the stats'"
     )
     reference_only: bool = option(False, "Write config + sketch only, no weights")
+    allocation: str = option("output", "output (least predicted KL, default), or the ablation uniform")
     basis: str = option("state", "state (default), or the ablations pca / random")
     coef: str = option("state", "state (least-squares maps), or the ablation projection (E = I)")
     shrinkage: str = option("auto", "auto, ledoit_wolf, oas or none")
@@ -239,7 +262,7 @@ class ConvertSettings(CommandSettings):
     progress: bool = option(True, "Show a progress bar")
 
     def check(self) -> None:
-        from sketchcal.fit.allocate import validate_budget
+        from sketchcal.fit.allocate import ALLOCATIONS, validate_budget
         from sketchcal.fit.basis import BASIS_KINDS
         from sketchcal.fit.layer import COEF_KINDS
         from sketchcal.fit.shrinkage import SHRINKAGE_METHODS
@@ -250,6 +273,7 @@ class ConvertSettings(CommandSettings):
         if self.out.exists():
             raise SketchcalError(f"{self.out} already exists; choose another --out or remove it first")
         validate_budget(self.rank, self.bytes_per_token, math.inf)  # the key dim is checked on the stats
+        _choice("allocation", self.allocation, ALLOCATIONS)
         _choice("basis", self.basis, BASIS_KINDS)
         _choice("coef", self.coef, COEF_KINDS)
         _choice("shrinkage", self.shrinkage, ("auto", *SHRINKAGE_METHODS))
@@ -274,11 +298,11 @@ class VerifySettings(CommandSettings):
     model_dir: str = option(help="Directory written by sketchcal convert, or a Hub id", argument=True)
     baseline: str | None = option(None, "Full-state model (default: the weights in DIR, else its base)")
     data: str | None = option(None, "Held-out text source (default: the built-in corpus)")
-    tokens: int = option(128, "Teacher-forced decode tokens per sample")
+    tokens: int = option(512, "Teacher-forced decode tokens per sample (at least calibration's --seq-len)")
     rank: tuple[float, ...] = option(
         (), "Mean-rank budgets to sweep (repeat the option)", cli_type=list[float] | None
     )
-    prompt: int = option(32, "Prompt tokens prefilled before decoding")
+    prompt: int = option(16, "Prompt tokens prefilled before decoding")
     samples: int = option(16, "Held-out samples")
     batch_size: int = option(8, "Samples per batch")
     read_dtype: str | None = option(None, "Read copy / sketch precision: fp32, bf16, fp16, fp8")
@@ -292,6 +316,7 @@ class VerifySettings(CommandSettings):
     retrieval: bool = option(True, "Run the associative-recall test")
     plots: bool = option(True, "Write the PNG plots")
     device: str = option("auto", "auto, cpu, cuda")
+    dtype: str = option("float32", "Compute dtype of every row: float32 (default), bfloat16, float16, auto")
     seed: int = option(0, "Seed for sample selection")
     text_field: str = option("text", "Text field of .jsonl/.parquet/dataset rows")
     data_revision: str | None = option(None, "Dataset revision")
@@ -314,6 +339,9 @@ class VerifySettings(CommandSettings):
             from sketchcal.runtime.precision import parse_dtype
 
             parse_dtype(self.read_dtype)
+        from sketchcal.models.loading import DTYPES
+
+        _choice("dtype", self.dtype, tuple(DTYPES))
         if self.sketch_map is not None:
             from sketchcal.runtime.sketch import SKETCH_MAPS
 

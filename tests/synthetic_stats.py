@@ -104,10 +104,14 @@ def _sums(s: torch.Tensor, u: torch.Tensor, mask: torch.Tensor) -> dict[str, tor
     reads = torch.einsum("nhkv,nthk->nthv", s, u)
     col2 = (sc * sc).sum(dim=2)  # [n, H, V]
     un2 = (u * u).sum(-1)  # [n, L−1, H]
-    return {
+    c = torch.einsum("nt,nthk,nthj->hkj", mf, u, u)
+    energy = torch.einsum("nt,nthv->h", mf, reads * reads)
+    return {  # every read carries output weight γ = 1, so C_fisher = C and fisher = read_energy
         "E": torch.einsum("nhkv,nhjv->hkj", sc, sc),
-        "C": torch.einsum("nt,nthk,nthj->hkj", mf, u, u),
-        "read_energy": torch.einsum("nt,nthv->h", mf, reads * reads),
+        "C": c,
+        "C_fisher": c.clone(),
+        "read_energy": energy,
+        "fisher": energy.clone(),
         "E_col4": (col2 * col2).sum(dim=(0, 2)),
         "C_col4": torch.einsum("nt,nth->h", mf, un2 * un2),
         "n_checkpoints": torch.tensor([int(counted.sum())], dtype=torch.int64),
@@ -162,7 +166,8 @@ def write_synthetic_stats(
             if split == "heldout":
                 r = min(kept_windows, n)
                 sample = window_layout(r, spec["heads"], spec["key_dim"], spec["value_dim"], window)
-                for (name, (_, dt)), t in zip(sample.items(), (s, u, mask), strict=True):
+                gamma = torch.ones(u.shape[:3], dtype=u.dtype)
+                for (name, (_, dt)), t in zip(sample.items(), (s, u, gamma, mask), strict=True):
                     tensors[tensor_name(spec["layer"], split, name)] = t[:r].to(dt)
     manifest: dict[str, Any] = {
         "format": FORMAT,

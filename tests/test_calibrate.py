@@ -36,22 +36,23 @@ def test_calibrate_writes_complete_statistics(tmp_path, model):
     assert manifest["complete"] and (out / "manifest.json").exists() and not (out / "_progress").exists()
     on_disk = json.loads((out / "manifest.json").read_text())
     assert on_disk["model"]["fingerprint"] == manifest["model"]["fingerprint"]
-    assert on_disk["window"] == 8 and on_disk["prompt_len"] == 32
+    assert on_disk["window"] == 8 and on_disk["prompt_len"] == 0  # default: the whole sample is decoded
     tensors = _tensors(out)
     for entry in on_disk["layers"]:
         h, k = entry["heads"], entry["key_dim"]
         for split in ("calib", "heldout"):
             pre = f"layers.{entry['layer']}.{split}."
             assert tensors[pre + "E"].shape == (h, k, k) and tensors[pre + "E"].dtype == torch.float64
-            # 32 decoded tokens per sample = 4 windows of 8: 4 checkpoints and 4 * 7 reads each
+            # 64 decoded tokens per sample = 8 windows of 8 from the first token (the first
+            # checkpoint is the zero state before it): 8 checkpoints and 8 * 7 reads each
             n = on_disk["samples"][split]
-            assert int(tensors[pre + "n_checkpoints"]) == 4 * n
-            assert int(tensors[pre + "n_reads"]) == 28 * n
+            assert int(tensors[pre + "n_checkpoints"]) == 8 * n
+            assert int(tensors[pre + "n_reads"]) == 56 * n
             e = tensors[pre + "E"]
             assert torch.allclose(e, e.transpose(-1, -2)) and torch.linalg.eigvalsh(e).min() > -1e-9
         kept = tensors[f"layers.{entry['layer']}.heldout.windows.S"]
         assert kept.shape == (8, h, k, entry["value_dim"])
-    assert on_disk["tokens"]["calib"] == {"prompt": 6 * 32, "decode": 6 * 32}
+    assert on_disk["tokens"]["calib"] == {"prompt": 0, "decode": 6 * 64}
 
 
 def test_generation_masks_tokens_after_eos(tmp_path):
@@ -85,9 +86,13 @@ def test_resumed_run_equals_uninterrupted(tmp_path, monkeypatch):
     assert not (part / "manifest.json").exists() and (part / "_progress" / "state.json").exists()
     with pytest.raises(SketchcalError, match="not empty"):
         sketchcal.calibrate(out=part, save_every=1, **SMALL)
-    differs = "other arguments: --prompt-len 32 → 24; --seq-len 64 → 48; rerun"
+    # the default --prompt-len (0) does not follow --seq-len; a changed prompt is named too
+    differs = "other arguments: --seq-len 64 → 48; rerun"
     with pytest.raises(SketchcalError, match=differs):
         sketchcal.calibrate(out=part, save_every=1, resume=True, **{**SMALL, "seq_len": 48})
+    differs = "other arguments: --prompt-len 0 → 8; rerun"
+    with pytest.raises(SketchcalError, match=differs):
+        sketchcal.calibrate(out=part, save_every=1, resume=True, **{**SMALL, "prompt_len": 8})
     monkeypatch.setattr(run_module._Runner, "process", real)
     # --save-every is not part of the result: resumed with another one, the bytes are the same
     sketchcal.calibrate(out=part, save_every=2, resume=True, **SMALL)

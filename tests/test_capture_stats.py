@@ -131,16 +131,18 @@ def test_starting_from_the_prompt_state_equals_scanning_the_prompt(fam_name):
 
 @pytest.mark.parametrize("model", ["builtin:tiny-gdn", "builtin:tiny-mamba2", "builtin:tiny-kda"])
 def test_calibrate_prefill_state_matches_a_float64_prompt_scan(tmp_path, model):
-    """calibrate takes the first checkpoint from the model's own (float32, chunked) prefill; a float64
-    scan of the prompt through the tapped full forward gives the same statistics."""
+    """With a prompt (``prompt_len``; the default, 0, has none and no prefill), calibrate takes the
+    first checkpoint from the model's own (float32, chunked) prefill; a float64 scan of the prompt
+    through the tapped full forward gives the same statistics, γ-weighted ones included."""
     import sketchcal
+    from sketchcal.calibrate.fisher import output_weights
     from sketchcal.data import build_samples
     from sketchcal.formats.stats import load_stats_tensors
     from sketchcal.models import MixerTap
     from sketchcal.models.loading import load_model
 
-    sketchcal.calibrate(model, out=tmp_path / "s", samples=4, seq_len=96, heldout_samples=0, device="cpu",
-                        progress=False, batch_size=4, window=8)  # fmt: skip
+    sketchcal.calibrate(model, out=tmp_path / "s", samples=4, seq_len=96, prompt_len=48, heldout_samples=0,
+                        device="cpu", progress=False, batch_size=4, window=8)  # fmt: skip
     got = load_stats_tensors(tmp_path / "s")[1]
 
     loaded = load_model(model, device="cpu")
@@ -148,9 +150,16 @@ def test_calibrate_prefill_state_matches_a_float64_prompt_scan(tmp_path, model):
     ref = {s.layer: LayerStats(s, 8) for s in loaded.spec.layers}
     fam = family(loaded.spec.family)
     valid = torch.ones_like(ids, dtype=torch.bool)
+    # the run's one calibration batch (index 0, seed 0) draws its targets from this generator
+    gamma = output_weights(loaded.model, loaded.spec, ids, valid, 48, torch.Generator().manual_seed(0))
     with (
         torch.no_grad(),
-        MixerTap(loaded.model, loaded.spec, lambda c: ref[c.layer].update(fam, c.inputs, valid, 48)),
+        MixerTap(
+            loaded.model,
+            loaded.spec,
+            lambda c: ref[c.layer].update(fam, c.inputs, valid, 48, gamma=gamma[c.layer]),
+            step_dynamics=True,
+        ),
     ):
         loaded.model(ids)
     for layer, st in ref.items():

@@ -151,7 +151,7 @@ def test_cli_and_api_build_the_same_settings(monkeypatch, tmp_path):
         do_sample=True,
         window=8,
     )
-    assert cli == api and cli.out == out and cli.prompt_len == 128 and cli.heldout_samples == 1
+    assert cli == api and cli.out == out and cli.prompt_len == 0 and cli.heldout_samples == 1
     assert "out" not in cli.run_identity() and cli.run_identity()["do_sample"] is True
 
     args = ["convert", "stats", "--out", str(out), "--bytes-per-token", "100", "--basis", "pca"]

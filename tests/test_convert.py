@@ -79,8 +79,10 @@ def test_convert_end_to_end(base, tmp_path):
     art = read_sketch(out, base["config"])
     stats = load_stats(base["stats"])
     assert [lay.layer for lay in art.layers] == [li.layer for li in stats.layers] == [0, 2]
-    errs = []
+    kl = 0.0  # Σ_h kl_scale_h · err_h, kl_scale_h = fisher_h / (2 V n_decoded) (γ = 1 in these stats)
     for lay, li in zip(art.layers, stats.layers, strict=True):
+        fisher = stats.moments(li.layer, "calib").fisher
+        scale = fisher / (2.0 * li.value_dim * stats.decoded_tokens("calib"))
         assert lay.frame.shape == (li.groups, li.key_dim, li.key_dim) and lay.frame.dtype == torch.float32
         assert lay.ranks.shape == (li.heads,) and lay.ranks.dtype == torch.int32
         assert lay.coef.shape[:1] == (li.heads,) and lay.coef.shape[2] == li.key_dim
@@ -90,7 +92,6 @@ def test_convert_end_to_end(base, tmp_path):
         for h, m in enumerate(lay.ranks.tolist()):
             assert m in candidate_ranks(li.key_dim)
             if m == 0:
-                errs.append(0.0)
                 continue
             assert torch.allclose(lay.coef[h, :, :m][:m], torch.eye(m))
             assert not lay.coef[h, m:].any()
@@ -99,8 +100,8 @@ def test_convert_end_to_end(base, tmp_path):
             s, u = win.S[:, h].double(), win.u[:, :, h].double() * win.mask.unsqueeze(-1)
             exact = torch.einsum("nkv,ntk->ntv", s, u)
             approx = torch.einsum("ntm,nmv->ntv", (u @ r.T) @ p.T, (r @ s)[:, :m])
-            errs.append(float(((exact - approx) ** 2).sum() / (exact**2).sum()))
-    assert sum(errs) / len(errs) == pytest.approx(res.allocation.measured_error, rel=1e-3)
+            kl += float(scale[h]) * float(((exact - approx) ** 2).sum() / (exact**2).sum())
+    assert kl == pytest.approx(res.allocation.measured_kl, rel=1e-3)
     # transformers still loads it, with the base weights
     model = tf.AutoModelForCausalLM.from_pretrained(out)
     ref = tf.AutoModelForCausalLM.from_pretrained(base["model"])
@@ -133,7 +134,7 @@ def test_inspect_prints_and_plots(base, tmp_path):
 
 def test_bytes_budget_and_basis_ablations(base, tmp_path):
     full = convert(base["stats"], rank=16, out=tmp_path / "dense").allocation  # all dense = ReplaySSM traffic
-    assert full.predicted_error == 0.0
+    assert full.predicted_kl == 0.0
     assert full.bytes_per_token == pytest.approx(full.replay_bytes_per_token)
     budget = 0.6 * full.replay_bytes_per_token
     res = convert(base["stats"], bytes_per_token=budget, out=tmp_path / "bytes")
@@ -351,11 +352,13 @@ def test_model_card_front_matter(tmp_path):
 
     alloc = Allocation(
         budget={"rank": 8.0},
+        allocation="output",
+        selected_on="held-out windows",
         layers=[],
         mean_rank=8.0,
-        predicted_error=0.01,
-        heldout_predicted_error=None,
-        measured_error=0.02,
+        predicted_kl=0.01,
+        heldout_kl=None,
+        measured_kl=0.02,
         bytes_per_token=10.0,
         replay_bytes_per_token=20.0,
         standard_bytes_per_token=40.0,

@@ -322,6 +322,29 @@ def test_bad_parquet_column_and_empty_directory(tmp_path):
         load_documents(tmp_path / "empty")
 
 
+def test_evaluation_uses_every_document_of_a_file(tokenizer, tmp_path):
+    """A file given for evaluation is held-out data as a whole: every document, and windows of the
+    whole stream; the builtin corpus keeps its own held-out split."""
+    docs = make_docs(50)
+    path = write_jsonl(tmp_path / "docs.jsonl", docs)
+    want = expected_windows(tokenizer, docs, 64)
+    got = build_samples(
+        tokenizer, path, num_samples=0, seq_len=64, heldout_samples=len(want), evaluation=True
+    )
+    assert got.calib == [] and got.info["documents"]["heldout"] == len(docs)
+    assert sorted(got.heldout) == sorted(want) and got.info["heldout_rule"] == "every document"
+    split = build_samples(tokenizer, path, num_samples=1, seq_len=64, heldout_samples=1)
+    assert split.info["documents"]["heldout"] == sum(is_heldout_document(d) for d in docs) < len(docs)
+    builtin = build_samples(tokenizer, None, num_samples=0, seq_len=64, heldout_samples=2, evaluation=True)
+    assert builtin.info["heldout_rule"] == "builtin heldout.jsonl"
+    names = {"heldout_samples": "--samples", "seq_len": "--tokens"}
+    with pytest.raises(SketchcalError, match=rf"lower --samples to {len(want)} .*a shorter --tokens"):
+        build_samples(
+            tokenizer, path, num_samples=0, seq_len=64, heldout_samples=len(want) + 1, evaluation=True,
+            option_names=names,
+        )  # fmt: skip
+
+
 def test_bad_sample_requests(tokenizer, tmp_path):
     docs = make_docs(50)
     path = write_jsonl(tmp_path / "docs.jsonl", docs)

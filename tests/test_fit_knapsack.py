@@ -80,6 +80,7 @@ def _fit(layer: int, heads: int, k: int, rng: random.Random) -> LayerFit:
         errs = sorted((rng.random() for _ in ranks[1:]), reverse=True)
         pred[h, 1:] = torch.tensor(errs, dtype=torch.float64)
     z = torch.zeros(heads, dtype=torch.float64)
+    scale = torch.tensor([0.5 + rng.random() for _ in range(heads)], dtype=torch.float64)
     return LayerFit(
         layer=layer,
         heads=heads,
@@ -97,6 +98,7 @@ def _fit(layer: int, heads: int, k: int, rng: random.Random) -> LayerFit:
         heldout_predicted=None,
         measured=None,
         read_energy=z,
+        kl_scale=scale,
     )
 
 
@@ -108,10 +110,10 @@ def test_allocation_by_mean_rank_matches_exhaustive():
         alloc = allocate(fits, traffic, rank=m)
         assert alloc.mean_rank <= m + 1e-9
         costs = [[r or 16 for r in f.ranks] for f in fits for _ in range(f.heads)]
-        values = [f.predicted[h].tolist() for f in fits for h in range(f.heads)]
+        values = [(f.kl_scale[h] * f.predicted[h]).tolist() for f in fits for h in range(f.heads)]
         ref = exhaustive(costs, values, int(m * 4))
-        assert alloc.predicted_error == pytest.approx(ref[0] / 4)
-    assert allocate(fits, traffic, rank=16).predicted_error == 0.0  # everything dense
+        assert alloc.predicted_kl == pytest.approx(ref[0])
+    assert allocate(fits, traffic, rank=16).predicted_kl == 0.0  # everything dense
 
 
 def test_allocation_by_bytes_matches_exhaustive():
@@ -124,9 +126,42 @@ def test_allocation_by_bytes_matches_exhaustive():
         alloc = allocate(fits, traffic, bytes_per_token=budget)
         assert alloc.bytes_per_token <= budget + 1e-9
         costs = [[tm.window_bytes(r) for r in fits[0].ranks]] * 3
-        values = [fits[0].predicted[h].tolist() for h in range(3)]
+        values = [(fits[0].kl_scale[h] * fits[0].predicted[h]).tolist() for h in range(3)]
         ref = exhaustive(costs, values, int(budget * 16))
-        assert alloc.predicted_error == pytest.approx(ref[0] / 3)
+        assert alloc.predicted_kl == pytest.approx(ref[0])
+
+
+def _curves(heads: int, n: int, rng: random.Random) -> torch.Tensor:
+    out = torch.zeros(heads, n, dtype=torch.float64)
+    for h in range(heads):
+        out[h, 1:] = torch.tensor(sorted((rng.random() for _ in range(n - 1)), reverse=True))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_allocation_never_predicted_worse_than_uniform(seed):
+    """Held-out windows choose (the exhaustive optimum on them), the held-out moments, which did not
+    choose, guard: the result is never predicted worse there than every head at one rank."""
+    rng = random.Random(seed)
+    fits = [_fit(0, 2, 16, rng), _fit(1, 2, 16, rng)]
+    for f in fits:
+        f.measured, f.heldout_predicted = _curves(2, len(f.ranks), rng), _curves(2, len(f.ranks), rng)
+    traffic = [TrafficModel("gdn", 16, 16, 8, 2)] * 2
+    costs = [[r or 16 for r in f.ranks] for f in fits for _ in range(f.heads)]
+    chosen = [(f.kl_scale[h] * f.measured[h]).tolist() for f in fits for h in range(f.heads)]
+    check = [(f.kl_scale[h] * f.heldout_predicted[h]).tolist() for f in fits for h in range(f.heads)]
+    for m in (4, 8, 16):
+        alloc = allocate(fits, traffic, rank=m)
+        uniform = allocate(fits, traffic, rank=m, allocation="uniform")
+        assert alloc.mean_rank <= m and alloc.heldout_kl <= uniform.heldout_kl + 1e-12
+        best = exhaustive(costs, chosen, 4 * m)
+        on_check = sum(check[i][j] for i, j in enumerate(best[1]))
+        if on_check < uniform.heldout_kl - 1e-12:  # the optimum on the windows passes the guard
+            assert alloc.measured_kl == pytest.approx(best[0]) and not alloc.notes
+        else:  # uniform ranks
+            assert [r for lay in alloc.layers for r in lay.ranks] == [
+                r for lay in uniform.layers for r in lay.ranks
+            ]
 
 
 @pytest.mark.parametrize(

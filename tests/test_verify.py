@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 
@@ -90,6 +91,7 @@ def test_verify_end_to_end(artifact, loaded, tmp_path):
     ppl = math.exp(float(nll_per_token(logits, ids[:, 9:]).mean()))
     assert math.isclose(std.perplexity, ppl, rel_tol=1e-4)
     assert res.retrieval["queries"] == 4 * 3 and std.retrieval_accuracy is not None
+    assert res.retrieval["applicable"] and res.retrieval["full_state_accuracy"] == std.retrieval_accuracy
     md = (out / "report.md").read_text()
     assert "sketchcal verify" in md and "| sketch |" in md and "kl_by_position.png" in md
 
@@ -98,6 +100,41 @@ def _heldout(loaded, seq_len: int) -> list[list[int]]:
     from sketchcal.data import build_samples
 
     return build_samples(loaded.tokenizer, None, num_samples=1, seq_len=seq_len, heldout_samples=4).heldout
+
+
+def test_recall_is_not_applicable_where_the_full_state_model_fails_it(artifact, tmp_path, monkeypatch):
+    """A model that answers (almost) no recall query with its full state gets no recall column: the
+    sketch rows' recall would say nothing about the sketch."""
+    run = importlib.import_module("sketchcal.verify.run")
+
+    def no_hits(logits, query_pos, answers, prompt):
+        return torch.zeros_like(recall_hits(logits, query_pos, answers, prompt))
+
+    monkeypatch.setattr(run, "recall_hits", no_hits)
+    out = tmp_path / "report"
+    res = verify(
+        artifact / "art", tokens=2 * WINDOW, rank=[], prompt=8, samples=2, batch_size=2, out=out,
+        device="cpu", progress=False, ablations=False,
+    )  # fmt: skip
+    assert not res.retrieval["applicable"] and res.retrieval["full_state_accuracy"] == 0.0
+    assert all(c.retrieval_accuracy is None for c in res.configs)
+    assert any("recall: not applicable" in n for n in res.notes)
+    assert "not applicable" in (out / "report.md").read_text()
+
+
+def test_a_data_file_is_evaluated_whole(artifact, tmp_path):
+    """verify --data FILE draws from every document of the file (not a held-out tenth of it), and too
+    few tokens for --samples is an error that names verify's options."""
+    docs = [f"document {i}: " + " ".join(f"word{j}" for j in range(40)) for i in range(12)]
+    path = tmp_path / "eval.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    res = verify(
+        artifact / "art", data=str(path), tokens=WINDOW, rank=[], prompt=4, samples=2, batch_size=2,
+        out=tmp_path / "r", device="cpu", progress=False, ablations=False, retrieval=False,
+    )  # fmt: skip
+    assert res.data["documents"]["heldout"] == len(docs) and res.data["heldout_rule"] == "every document"
+    with pytest.raises(SketchcalError, match=r"lower --samples to \d+ .*a shorter --tokens"):
+        verify(artifact / "art", data=str(path), tokens=WINDOW, samples=10_000, device="cpu", progress=False)
 
 
 def test_verify_errors(artifact, tmp_path):

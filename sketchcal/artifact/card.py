@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from sketchcal.artifact.report import format_kl
 from sketchcal.fit.allocate import Allocation
 from sketchcal.fit.ranks import SUPPORTED_RANKS
 from sketchcal.hub.resolve import is_hub_id
@@ -67,21 +68,21 @@ def model_card(
         f"- budget: {budget}; basis: {basis}; E shrinkage: {shrinkage}; supported ranks: "
         f"{', '.join(map(str, SUPPORTED_RANKS))} (0 = dense)",
         f"- mean rank (dense heads count as K): {a.mean_rank:.2f}",
-        f"- predicted relative read error (calibration moments): {_pct(a.predicted_error)}",
-        f"- predicted on held-out moments: {_pct(a.heldout_predicted_error)}; measured on held-out windows: "
-        f"{_pct(a.measured_error)}",
+        f"- predicted KL (calibration moments): {format_kl(a.predicted_kl)} nats/token",
+        f"- predicted on held-out moments: {format_kl(a.heldout_kl)}; "
+        f"on held-out windows: {format_kl(a.measured_kl)}",
         f"- state traffic per token: {a.bytes_per_token:,.0f} B vs "
         f"{a.standard_bytes_per_token:,.0f} B standard "
         f"({_pct(a.reduction_vs_standard)} less) and {a.replay_bytes_per_token:,.0f} B ReplaySSM "
         f"({_pct(a.reduction_vs_replay)} less)",
         "",
-        "| layer | mean rank | predicted error | measured error | bytes/token |",
+        "| layer | mean rank | predicted KL | held-out windows KL | bytes/token |",
         "|---:|---:|---:|---:|---:|",
     ]
     for lay in a.layers:
         lines.append(
-            f"| {lay.layer} | {lay.mean_rank:.2f} | {_pct(lay.predicted_error)} | "
-            f"{_pct(lay.measured_error)} | {lay.bytes_per_token:,.0f} |"
+            f"| {lay.layer} | {lay.mean_rank:.2f} | {format_kl(lay.predicted_kl)} | "
+            f"{format_kl(lay.measured_kl)} | {lay.bytes_per_token:,.0f} |"
         )
     lines += [
         "",

@@ -76,7 +76,7 @@ class ConvertResult:
     base_model: str | None
     sketch_config: dict[str, Any]
     shrinkage: str  # the E estimator used
-    shrinkage_scores: dict[str, float | None]  # held-out error of the allocation per estimator tried
+    shrinkage_scores: dict[str, float | None]  # held-out predicted KL of the allocation per estimator tried
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -119,6 +119,7 @@ def convert(stats_dir: str | Path, **options: Any) -> ConvertResult:
         basis=settings.basis,
         coef=settings.coef,
         shrinkage=settings.shrinkage,
+        allocation=settings.allocation,
         seed=settings.seed,
         progress=settings.progress,
     )
@@ -152,7 +153,7 @@ class SketchFit:
     fits: list[LayerFit]
     allocation: Allocation
     shrinkage: str  # the E estimator kept
-    shrinkage_scores: dict[str, float | None]  # held-out error of the allocation per estimator tried
+    shrinkage_scores: dict[str, float | None]  # held-out predicted KL of the allocation per estimator tried
     layers: list[SketchLayer]  # frames and coefficient maps in float32, ranks in int32 (as stored)
     notes: list[str] = field(default_factory=list)
 
@@ -283,11 +284,6 @@ def _output_bytes(stats: Stats, base: BaseModel, builtin: LoadedModel | None, we
     return sketch + placed + 2**20
 
 
-def _score(alloc: Allocation) -> float | None:
-    """Held-out error of an allocation: measured on the windows when available, else from held-out moments."""
-    return alloc.measured_error if alloc.measured_error is not None else alloc.heldout_predicted_error
-
-
 def fit_sketch(
     stats: Stats,
     traffic: list[TrafficModel],
@@ -297,14 +293,17 @@ def fit_sketch(
     basis: str = "state",
     coef: str = "state",
     shrinkage: str = "auto",
+    allocation: str = "output",
     seed: int = 0,
     progress: bool = True,
 ) -> SketchFit:
     """Fit the bases of every layer of ``stats`` and allocate per-head ranks under one budget.
 
     With ``shrinkage="auto"`` the layers are fitted once per E estimator and the one whose allocation
-    has the lowest held-out error is kept. The result holds the sketch tensors as they are stored, so
-    it can be written (:func:`write_artifact`) or used in memory (``verify``'s re-fits).
+    has the lowest held-out predicted KL is kept. ``allocation``: ``"output"`` (minimum predicted KL)
+    or ``"uniform"`` (:func:`~sketchcal.fit.allocate.allocate`). The result holds the sketch tensors as
+    they are stored, so it can be written (:func:`write_artifact`) or used in memory (``verify``'s
+    re-fits).
     """
     from sketchcal.ui import progress_bar
 
@@ -317,8 +316,8 @@ def fit_sketch(
             fits = fit_all(
                 stats, basis=basis, coef=coef, shrinkage=meth, seed=seed, on_layer=lambda _: bar.advance(task)
             )
-            alloc = allocate(fits, traffic, rank=rank, bytes_per_token=bytes_per_token)
-            score = _score(alloc)
+            alloc = allocate(fits, traffic, rank=rank, bytes_per_token=bytes_per_token, allocation=allocation)
+            score = alloc.heldout_score
             scores[meth] = score
             if best is None or (score is not None and (best[3] is None or score < best[3])):
                 best = (fits, alloc, meth, score)
@@ -377,10 +376,13 @@ def sketch_section(
         },
         "basis": basis,
         "coef": coef,
+        "allocation": alloc.allocation,
         "shrinkage": {
             "method": fit.shrinkage,
-            "selected_by": "held-out error of the allocation" if len(fit.shrinkage_scores) > 1 else "given",
-            "heldout_error": fit.shrinkage_scores,
+            "selected_by": "held-out predicted KL of the allocation"
+            if len(fit.shrinkage_scores) > 1
+            else "given",
+            "heldout_kl": fit.shrinkage_scores,
         },
         "supported_ranks": list(SUPPORTED_RANKS),
         "traffic": {"state_dtype": "float32", "read_dtype": read_dtype, "buffer_dtype": buffer_dtype},
@@ -498,6 +500,7 @@ def _write_curves(path: Path, fits: list[LayerFit]) -> None:
             t[p + "heldout_predicted"] = f.heldout_predicted.to(torch.float32)
         if f.measured is not None:
             t[p + "measured"] = f.measured.to(torch.float32)
+        t[p + "kl_scale"] = f.kl_scale.to(torch.float32)
         t[p + "shrinkage"] = f.shrinkage.to(torch.float32)
         t[p + "eigvals"] = f.eigvals.to(torch.float32)
     meta = {"format": "sketchcal-curves", "version": "1"}

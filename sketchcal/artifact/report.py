@@ -43,6 +43,11 @@ def _pct(x) -> str:
     return "n/a" if x is None else f"{100 * float(x):.2f}%"
 
 
+def format_kl(x: float | None) -> str:
+    """A predicted KL in nats/token, or n/a."""
+    return "n/a" if x is None else f"{float(x):.2e}"
+
+
 def _ranks_text(ranks: list[int]) -> str:
     c = Counter(ranks)
     return " ".join(
@@ -69,9 +74,9 @@ def allocation_table(layers: list[dict[str, Any]], title: str | None = None) -> 
         ("layer", "right"),
         ("ranks", "left"),
         ("mean rank", "right"),
-        ("pred. error", "right"),
-        ("held-out pred.", "right"),
-        ("measured", "right"),
+        ("pred. KL", "right"),
+        ("held-out moments", "right"),
+        ("held-out windows", "right"),
         ("bytes/token", "right"),
         ("vs standard", "right"),
     ):
@@ -83,9 +88,9 @@ def allocation_table(layers: list[dict[str, Any]], title: str | None = None) -> 
             str(lay["layer"]),
             _ranks_text(lay["ranks"]),
             f"{lay['mean_rank']:.2f}",
-            _pct(lay.get("predicted_error")),
-            _pct(lay.get("heldout_predicted_error")),
-            _pct(lay.get("measured_error")),
+            format_kl(lay.get("predicted_kl")),
+            format_kl(lay.get("heldout_kl")),
+            format_kl(lay.get("measured_kl")),
             "n/a" if b is None else f"{b:,.0f}",
             "n/a" if not (b and std) else f"{std / b:.2f}×",
         )
@@ -100,9 +105,10 @@ def print_allocation(
     console.print(allocation_table(layers))
     s = summary
     console.print(
-        f"mean rank {s['mean_rank']:.2f} (dense = K) · predicted error {_pct(s.get('predicted_error'))} · "
-        f"held-out {_pct(s.get('heldout_predicted_error'))} predicted, "
-        f"{_pct(s.get('measured_error'))} measured"
+        f"mean rank {s['mean_rank']:.2f} (dense = K) · "
+        f"predicted KL {format_kl(s.get('predicted_kl'))} nats/token · "
+        f"held-out {format_kl(s.get('heldout_kl'))} predicted, "
+        f"{format_kl(s.get('measured_kl'))} measured"
     )
     console.print(
         f"state traffic {s['bytes_per_token']:,.0f} B/token: "
@@ -120,11 +126,9 @@ def print_convert_result(result, console: Console | None = None) -> None:
     alloc = result.allocation
     summary = {**alloc.to_dict(), "layers": None}
     print_allocation(summary, [asdict(lay) for lay in alloc.layers], console)
-    scores = ", ".join(
-        f"{m} {'n/a' if v is None else f'{100 * v:.2f}%'}" for m, v in result.shrinkage_scores.items()
-    )
+    scores = ", ".join(f"{m} {format_kl(v)}" for m, v in result.shrinkage_scores.items())
     exact = "exact optimum" if alloc.optimal else f"within {alloc.gap_bound:.1e} of the optimum"
-    console.print(f"E shrinkage: {result.shrinkage} (held-out error: {scores}); allocation: {exact}")
+    console.print(f"E shrinkage: {result.shrinkage} (held-out KL: {scores}); allocation: {exact}")
     for note in result.notes:
         console.print(f"[yellow]note:[/yellow] {note}")
     console.print(f"wrote {result.out} (weights: {result.weights})")
@@ -172,9 +176,9 @@ def inspect(
         }
         extra = alloc_layers.get(lay.layer, {})
         for key in (
-            "predicted_error",
-            "heldout_predicted_error",
-            "measured_error",
+            "predicted_kl",
+            "heldout_kl",
+            "measured_kl",
             "bytes_per_token",
             "replay_bytes_per_token",
             "standard_bytes_per_token",

@@ -15,6 +15,7 @@ import torch
 
 import sketchcal
 from sketchcal.calibrate.distributed import World, init_world
+from sketchcal.calibrate.fisher import output_weights
 from sketchcal.calibrate.plots import spectra_plot
 from sketchcal.calibrate.preflight import check_output, check_resume
 from sketchcal.calibrate.stats import LayerStats
@@ -32,6 +33,9 @@ from sketchcal.models import MixerCall, MixerTap, ModelSpec
 from sketchcal.models.loading import LoadedModel, load_model, resolve_device
 from sketchcal.settings import CalibrateSettings, api_signature
 
+# the options that set build_samples' counts and lengths, named in its errors
+_SAMPLE_OPTIONS = {"num_samples": "--samples", "heldout_samples": "--heldout-samples", "seq_len": "--seq-len"}
+
 
 @dataclass
 class _Batch:
@@ -46,6 +50,7 @@ class _Counters:
         default_factory=lambda: {s: {"prompt": 0, "decode": 0} for s in ("calib", "heldout")}
     )
     gen_seconds: float = 0.0
+    fisher_seconds: float = 0.0
     capture_seconds: float = 0.0
 
 
@@ -67,8 +72,10 @@ def tapped_forward(
     The prompt (``seq[:, :prompt_end]``) is prefilled untapped with a cache: its final state, as
     the model itself computes it, is the first checkpoint (what a serving engine stores), so only
     the decoded tokens are scanned. ``on_call(call, valid_of_the_fed_tokens, prompt_end_within_them)``;
-    the call's ``initial_state`` is the prefill state. Falls back to one tapped forward of the whole
-    sequence when there is no prompt, nothing after it, or the model returns no cache.
+    the call's ``initial_state`` is the prefill state; the fed tokens are the last of ``seq``. Falls
+    back to one tapped forward of the whole sequence when there is no prompt, nothing after it, or
+    the model returns no cache. The tapped tokens are converted with the one-token function's
+    dynamics (they are decoded tokens).
     """
     cache = None
     # the cache's keyword: past_key_values for most models, cache for pure Mamba-2 ones
@@ -87,7 +94,7 @@ def tapped_forward(
         feed, feed_valid, start = seq, valid, prompt_end
     else:
         feed, feed_valid, start = seq[:, prompt_end:], valid[:, prompt_end:], 0
-    with MixerTap(model, spec, lambda call: on_call(call, feed_valid, start)):
+    with MixerTap(model, spec, lambda call: on_call(call, feed_valid, start), step_dynamics=True):
         model(
             input_ids=feed,
             attention_mask=valid.long(),
@@ -160,10 +167,16 @@ class _Runner:
 
         _sync(dev)
         t0 = time.perf_counter()
+        targets = torch.Generator(device=seq.device).manual_seed(s.seed * 1_000_003 + batch.index)
+        gamma = output_weights(model, self.loaded.spec, seq, valid, prompt_end, targets)
+        _sync(dev)
+        self.counters.fisher_seconds += time.perf_counter() - t0
+        t0 = time.perf_counter()
 
         def on_call(call: MixerCall, valid_fed: torch.Tensor, start: int) -> None:
             stats = self.stats[(batch.split, call.layer)]
-            stats.update(self.family, call.inputs, valid_fed, start, call.initial_state)
+            fed = gamma[call.layer][:, seq.shape[1] - valid_fed.shape[1] :]
+            stats.update(self.family, call.inputs, valid_fed, start, call.initial_state, fed)
 
         tapped_forward(model, self.loaded.spec, seq, valid, prompt_end, on_call)
         _sync(dev)
@@ -203,8 +216,8 @@ def calibrate(model: str | None = None, **options: Any) -> dict[str, Any]:
     """Capture window statistics of ``model`` and write a statistics directory to ``out``.
 
     ``model``: Hub id, local directory or ``builtin:NAME`` (None: the package's default). The options
-    are the fields of :class:`~sketchcal.settings.CalibrateSettings` (``out="stats"``, ``samples=64``,
-    ``seq_len=256``, ...), the same as ``sketchcal calibrate``'s.
+    are the fields of :class:`~sketchcal.settings.CalibrateSettings` (``out="stats"``, ``samples``,
+    ``seq_len=512``, ...), the same as ``sketchcal calibrate``'s.
 
     Returns the manifest written to ``out/manifest.json`` (an empty dict on ranks other than 0 of a
     data-parallel run).
@@ -217,12 +230,12 @@ calibrate.__signature__ = api_signature(CalibrateSettings, "model")  # type: ign
 
 def run_calibration(settings: CalibrateSettings) -> dict[str, Any]:
     """:func:`calibrate` for a settings object."""
-    s = settings
-    out = s.out
-    dev = resolve_device(s.device)
+    out = settings.out
+    dev = resolve_device(settings.device)
     world = init_world(dev)
     if world.size > 1 and dev.startswith("cuda"):
         dev = f"cuda:{world.local_rank}"
+    s = settings = settings.for_device(dev)
     if world.is_main:
         prepare_out_dir(out, resume=s.resume, overwrite=s.overwrite, clear=False)
         check_output(s)
@@ -243,6 +256,7 @@ def run_calibration(settings: CalibrateSettings) -> dict[str, Any]:
         loaded.tokenizer, s.data, num_samples=s.samples, seq_len=s.seq_len,
         heldout_samples=s.heldout_samples, seed=s.seed, chat_template=s.chat_template,
         text_field=s.text_field, revision=s.data_revision,
+        option_names=_SAMPLE_OPTIONS,
     )  # fmt: skip
     if world.is_main:
         prepare_out_dir(out, resume=s.resume, overwrite=s.overwrite, clear=True)
@@ -314,6 +328,7 @@ def run_calibration(settings: CalibrateSettings) -> dict[str, Any]:
         "seconds": round(elapsed, 3),
         "tokens_per_second": round(all_tokens / elapsed, 1) if elapsed > 0 else None,
         "generation_seconds": round(c.gen_seconds, 3),
+        "output_weight_seconds": round(c.fisher_seconds, 3),
         "capture_seconds": round(c.capture_seconds, 3),
         "peak_host_memory_mib": round(peak_host, 1),
         "peak_device_memory_mib": round(torch.cuda.max_memory_allocated() / 2**20, 1)

@@ -2,8 +2,10 @@
 
 For each head: the state second moment E = Σ S_c S_cᵀ over window checkpoints, the
 effective-query second moment C = Σ u uᵀ over non-flush reads (u_p = M_pᵀ q_p, the query pushed
-back to the checkpoint through the window's transitions), the exact read energy Σ ‖S_cᵀ u‖²,
-fourth-moment sums for shrinkage, and counts. Per-token tensors are dropped after each update.
+back to the checkpoint through the window's transitions), the exact read energy Σ ‖S_cᵀ u‖², the
+same two weighted by each read's output weight γ (:mod:`sketchcal.calibrate.fisher`):
+C_fisher = Σ γ u uᵀ and fisher = Σ γ ‖S_cᵀ u‖², fourth-moment sums for shrinkage, and counts.
+Per-token tensors are dropped after each update.
 """
 
 from __future__ import annotations
@@ -53,14 +55,16 @@ class LayerStats:
         valid: Tensor,
         prompt_end: int,
         initial_state: Tensor | None = None,
+        gamma: Tensor | None = None,
     ) -> None:
         """Add one batch: ``x`` float64 [B, T, H, ...], ``valid`` [B, T] bool, windows aligned to
         ``prompt_end`` (tokens before it are the prompt). ``initial_state`` [B, H, K, V] is the state
         before the first token of ``x`` (default zero): pass the model's own prefill state with
-        ``prompt_end=0`` to skip rescanning the prompt."""
+        ``prompt_end=0`` to skip rescanning the prompt. ``gamma`` [B, T, H]: the output weight of
+        each token's read (default 1: every read weighs the same)."""
         if self.sums["E"].device != x.k.device:  # follow the layer's inputs (device maps, offloading)
             self.sums = {name: t.to(x.k.device) for name, t in self.sums.items()}
-        lay = to_windows(x, valid.to(x.k.device), prompt_end, self.window)
+        lay = to_windows(x, valid.to(x.k.device), prompt_end, self.window, gamma)
         b, n, ln = lay.valid.shape
         h, kd, vd = self.shape.heads, self.shape.key_dim, self.shape.value_dim
         block = max(1, _BLOCK_BYTES // (b * h * kd * vd * 8))  # checkpoints held at once
@@ -75,7 +79,11 @@ class LayerStats:
                     lambda f, a=first, z=j + 1: f[:, a:z, : ln - 1]
                 )  # the L-1 non-flush reads
                 self._accumulate(
-                    family, torch.stack(ckpts, dim=1), reads, lay.valid[:, first : j + 1, : ln - 1]
+                    family,
+                    torch.stack(ckpts, dim=1),
+                    reads,
+                    lay.valid[:, first : j + 1, : ln - 1],
+                    lay.gamma[:, first : j + 1, : ln - 1],
                 )
                 ckpts = []
             if j < n - 1:  # fold window j into the next checkpoint, token by token
@@ -83,21 +91,29 @@ class LayerStats:
                 for t in range(ln):
                     state = step(family, state, xw.tokens(t))
 
-    def _accumulate(self, family: Family, s_c: Tensor, reads: StepInputs, read_valid: Tensor) -> None:
+    def _accumulate(
+        self, family: Family, s_c: Tensor, reads: StepInputs, read_valid: Tensor, gamma: Tensor
+    ) -> None:
         ck_mask = read_valid.any(-1).to(s_c.dtype)  # a checkpoint counts if a read follows it
         s = self.sums
-        s["E"] += torch.einsum("bjhkv,bjhlv,bj->hkl", s_c, s_c, ck_mask)
+        # two-operand einsums only: torch contracts three operands left to right, through the
+        # [.., K, K] outer product of every read (hundreds of times slower)
+        s["E"] += torch.einsum("bjhkv,bjhlv->hkl", s_c * ck_mask[..., None, None, None], s_c)
         col2 = (s_c * s_c).sum(-2)  # [B, nd, H, V]
         s["E_col4"] += torch.einsum("bjhv,bj->h", col2 * col2, ck_mask)
         s["n_checkpoints"] += ck_mask.sum().long()
 
         u = effective_queries(family, reads)  # [B, nd, L-1, H, K]
         r_mask = read_valid.to(u.dtype)
-        s["C"] += torch.einsum("bjphk,bjphl,bjp->hkl", u, u, r_mask)
+        g = gamma * r_mask[..., None]  # [B, nd, L-1, H]
+        s["C"] += torch.einsum("bjphk,bjphl->hkl", u * r_mask[..., None, None], u)
+        s["C_fisher"] += torch.einsum("bjphk,bjphl->hkl", u * g[..., None], u)
         u2 = (u * u).sum(-1)
         s["C_col4"] += torch.einsum("bjph,bjp->h", u2 * u2, r_mask)
         o = torch.einsum("bjhkv,bjphk->bjphv", s_c, u)
-        s["read_energy"] += torch.einsum("bjph,bjp->h", (o * o).sum(-1), r_mask)
+        o2 = (o * o).sum(-1)
+        s["read_energy"] += torch.einsum("bjph,bjp->h", o2, r_mask)
+        s["fisher"] += (o2 * g).sum((0, 1, 2))
         s["n_reads"] += read_valid.sum().long()
 
         if self._kept_count < self.keep_windows:
@@ -105,8 +121,10 @@ class LayerStats:
             take = self.keep_windows - self._kept_count
             ss = s_c.flatten(0, 1)[counted][:take]
             uu = u.flatten(0, 1)[counted][:take]
+            gg = g.flatten(0, 1)[counted][:take]
             mm = read_valid.flatten(0, 1)[counted][:take]
-            for (name, (_, dt)), t in zip(self._window_layout(0).items(), (ss, uu, mm), strict=True):
+            kept = (ss, uu, gg, mm)
+            for (name, (_, dt)), t in zip(self._window_layout(0).items(), kept, strict=True):
                 self.kept[name].append(t.to(dt).cpu())
             self._kept_count += ss.shape[0]
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,16 +113,24 @@ def build_samples(
     chat_template: bool = False,
     text_field: str = "text",
     revision: str | None = None,
+    evaluation: bool = False,
+    option_names: Mapping[str, str] | None = None,
 ) -> SampleSet:
     """Cut ``num_samples`` calib and ``heldout_samples`` held-out samples of ``seq_len`` tokens.
 
     ``tokenizer`` is a transformers tokenizer; ``source``, ``text_field`` and ``revision`` are as in
     :func:`sketchcal.data.load_documents`. Held-out samples come only from held-out documents (the
     builtin ``heldout.jsonl``, or the content-hash split of any other source), calib samples only from
-    the others. Raises :class:`SketchcalError` for bad arguments, a tokenizer without eos token (plain)
-    or chat template (chat), an unusable source, or too few tokens for the samples asked for.
+    the others. With ``evaluation`` every document of a source other than the builtin corpus is
+    held-out (a file given for evaluation is used whole) and ``num_samples`` may be 0.
+    ``option_names`` names the caller's options for ``num_samples``, ``heldout_samples`` and
+    ``seq_len`` in error messages (default: these argument names). Raises :class:`SketchcalError` for
+    bad arguments, a tokenizer without eos token (plain) or chat template (chat), an unusable source,
+    or too few tokens for the samples asked for.
     """
-    _check_int("num_samples", num_samples, 1)
+    names = {"num_samples": "num_samples", "heldout_samples": "heldout_samples", "seq_len": "seq_len"}
+    names.update(option_names or {})
+    _check_int("num_samples", num_samples, 0 if evaluation else 1)
     _check_int("seq_len", seq_len, 1)
     _check_int("heldout_samples", heldout_samples, 0)
     _check_int("seed", seed, None)
@@ -150,8 +159,9 @@ def build_samples(
     labelled = iter_labelled_documents(
         source, text_field=text_field, revision=revision, include_heldout=heldout_samples > 0
     )
+    whole = evaluation and not is_builtin(source)
     for text, held in labelled:
-        pool = pools["heldout" if held else "calib"]
+        pool = pools["heldout" if held or whole else "calib"]
         if not pool.full:
             pool.add(text, tokenizer)
         elif all(p.full for p in pools.values()):
@@ -166,7 +176,9 @@ def build_samples(
         if pool.wanted == 0:
             samples[split], windows[split] = [], 0
             continue
-        picked, windows[split] = _pick_windows(pool, _generator(seed, split), name, overhead, chat_template)
+        picked, windows[split] = _pick_windows(
+            pool, _generator(seed, split), name, overhead, chat_template, names
+        )
         if chat_template:
             picked = [_fit_chat(tokenizer, ids, seq_len) for ids in picked]
         samples[split] = picked
@@ -178,6 +190,8 @@ def build_samples(
         "heldout_rule": (
             "builtin heldout.jsonl"
             if is_builtin(source)
+            else "every document"
+            if whole
             else f"sha256 of the document text, {HELDOUT_FRACTION:.0%} of documents"
         ),
         "seq_len": seq_len,
@@ -198,7 +212,7 @@ def _target_tokens(wanted: int, window: int) -> int:
 
 
 def _pick_windows(
-    pool: _Pool, generator: torch.Generator, source: str, overhead: int, chat: bool
+    pool: _Pool, generator: torch.Generator, source: str, overhead: int, chat: bool, names: Mapping[str, str]
 ) -> tuple[list[list[int]], int]:
     """``pool.wanted`` distinct windows in random order, and how many windows the stream has."""
     if pool.n_docs == 0:
@@ -208,7 +222,7 @@ def _pick_windows(
                 ""
                 if pool.name == "calib"
                 else f" (about {HELDOUT_FRACTION:.0%} of a source's documents are held out); "
-                "use heldout_samples=0 or a source with more documents"
+                f"use {names['heldout_samples']} 0 or a source with more documents"
             )
         )
     stream = pool.stream()
@@ -219,11 +233,11 @@ def _pick_windows(
             if chat
             else f"{pool.window} tokens"
         )
-        arg = "num_samples" if pool.name == "calib" else "heldout_samples"
+        arg = names["num_samples" if pool.name == "calib" else "heldout_samples"]
         raise SketchcalError(
             f"the {pool.name} split of data source {source!r} has {len(stream)} tokens in {pool.n_docs} "
             f"documents, enough for {available} samples of {length}, but {pool.wanted} were asked for: "
-            f"lower {arg} to {available} or less, use a shorter seq_len, or a larger data source"
+            f"lower {arg} to {available} or less, use a shorter {names['seq_len']}, or a larger data source"
         )
     order = torch.randperm(available, generator=generator)[: pool.wanted].tolist()
     return [stream[i * pool.window : (i + 1) * pool.window].tolist() for i in order], available

@@ -1,14 +1,23 @@
-"""Per-head rank allocation under a mean-rank or byte budget (multiple-choice knapsack).
+"""Per-head rank allocation under a mean-rank or byte budget.
 
-Objective: the mean over all heads of all layers of the predicted relative read error (calibration
-moments, :mod:`sketchcal.fit.curves`), each head weighted equally. Options per head: the candidate
-ranks of :mod:`sketchcal.fit.ranks` (0 = dense). Cost per head:
+``allocation="output"`` (the default) minimises the predicted KL of the decoded distributions: the
+sum over all heads of all layers of ``kl_scale_h · err_h(m_h)`` (:mod:`sketchcal.fit.layer`: each
+head's output-weighted relative read error at rank m, scaled by how much its reads move the logits),
+by a multiple-choice knapsack. The error curves that choose are the held-out ones (the maps are
+fitted on the calibration split, so its own curves are optimistic): measured on the held-out
+windows where the statistics have them, else predicted from the held-out moments, else (no
+held-out split) from the calibration moments. ``allocation="uniform"`` gives every head the same
+rank (the ablation). Options per head: the candidate ranks of :mod:`sketchcal.fit.ranks`
+(0 = dense, exact). Cost per head:
 
 - ``rank=M``: the effective rank (m, or K for a dense head); constraint ``Σ cost ≤ M · #heads``,
   i.e. the mean rank (dense counted as K) is at most M;
 - ``bytes_per_token=B``: the bytes per decoded token of :class:`~sketchcal.fit.traffic.TrafficModel`
   (computed per window of L tokens, so the costs are integers); constraint ``Σ bytes ≤ B``, B being
   per sequence and token for all mixer layers together.
+
+Every allocation reports its predicted KL three ways: on the calibration moments (``predicted_kl``,
+what the maps were fitted to), on the held-out moments and on the held-out windows.
 """
 
 from __future__ import annotations
@@ -24,15 +33,18 @@ from sketchcal.fit.layer import LayerFit
 from sketchcal.fit.ranks import SUPPORTED_RANKS, effective_rank
 from sketchcal.fit.traffic import TrafficModel
 
+ALLOCATIONS: tuple[str, ...] = ("output", "uniform")
+HELDOUT_MISMATCH = 1.5  # held-out KL above this multiple of the fitted KL: too little calibration data
+
 
 @dataclass
 class LayerAllocation:
     layer: int
     ranks: list[int]  # [H], 0 = dense
     mean_rank: float  # dense counted as K
-    predicted_error: float  # mean over heads, calibration moments
-    heldout_predicted_error: float | None  # mean over heads, held-out moments
-    measured_error: float | None  # mean over heads, held-out windows
+    predicted_kl: float  # nats/token, calibration moments
+    heldout_kl: float | None  # nats/token, held-out moments
+    measured_kl: float | None  # nats/token, held-out windows
     bytes_per_token: float  # this layer's heads, sketch decoding
     replay_bytes_per_token: float
     standard_bytes_per_token: float
@@ -40,19 +52,21 @@ class LayerAllocation:
 
 @dataclass
 class Allocation:
-    """The chosen ranks and what they cost and give. Errors are relative read errors (fractions)."""
+    """The chosen ranks and what they cost and give. KL figures are predicted, in nats per decoded token."""
 
     budget: dict[str, float]  # {"rank": M} or {"bytes_per_token": B}
+    allocation: str  # "output" | "uniform"
+    selected_on: str  # the curves the knapsack minimised: "held-out windows" | "held-out moments" | ...
     layers: list[LayerAllocation]
     mean_rank: float
-    predicted_error: float
-    heldout_predicted_error: float | None
-    measured_error: float | None
+    predicted_kl: float
+    heldout_kl: float | None
+    measured_kl: float | None
     bytes_per_token: float
     replay_bytes_per_token: float
     standard_bytes_per_token: float
     optimal: bool  # True: exact knapsack optimum; else within ``gap_bound`` of it
-    gap_bound: float  # bound on (objective − optimum), in mean relative error
+    gap_bound: float  # bound on (objective − optimum), in nats/token
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -65,6 +79,11 @@ class Allocation:
         """Fraction of ReplaySSM's state traffic saved (1 − sketch / replay)."""
         return 1.0 - self.bytes_per_token / self.replay_bytes_per_token
 
+    @property
+    def heldout_score(self) -> float | None:
+        """The held-out predicted KL: on the windows where measured, else on the held-out moments."""
+        return self.measured_kl if self.measured_kl is not None else self.heldout_kl
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["reduction_vs_standard"] = self.reduction_vs_standard
@@ -72,11 +91,6 @@ class Allocation:
         d["speedup_vs_standard"] = self.standard_bytes_per_token / self.bytes_per_token
         d["speedup_vs_replay"] = self.replay_bytes_per_token / self.bytes_per_token
         return d
-
-
-def _mean(values: list[float]) -> float | None:
-    vals = [v for v in values if math.isfinite(v)]
-    return sum(vals) / len(vals) if vals else None
 
 
 def validate_budget(rank: float | None, bytes_per_token: float | None, max_k: int) -> None:
@@ -94,89 +108,199 @@ def validate_budget(rank: float | None, bytes_per_token: float | None, max_k: in
         raise SketchcalError(f"--bytes-per-token must be positive, got {bytes_per_token}")
 
 
+def selection_curves(fit: LayerFit) -> tuple[torch.Tensor, str]:
+    """The error curves [H, C] that choose the ranks of ``fit``'s heads, and what they are."""
+    if fit.measured is not None:
+        # a head whose sampled windows hold no weighted energy has NaN there: use its moments
+        backup = fit.heldout_predicted if fit.heldout_predicted is not None else fit.predicted
+        return torch.where(torch.isnan(fit.measured), backup, fit.measured), "held-out windows"
+    if fit.heldout_predicted is not None:
+        return fit.heldout_predicted, "held-out moments"
+    return fit.predicted, "calibration moments"
+
+
 def allocate(
     fits: list[LayerFit],
     traffic: list[TrafficModel],
     *,
     rank: float | None = None,
     bytes_per_token: float | None = None,
+    allocation: str = "output",
     max_cells: int = 50_000_000,
 ) -> Allocation:
     """Choose every head's rank. Exactly one of ``rank`` / ``bytes_per_token`` must be given.
 
     Args:
-        fits: one :class:`LayerFit` per layer (its ``predicted`` curves are the objective).
+        fits: one :class:`LayerFit` per layer.
         traffic: the byte model of each layer, same order.
         rank: mean rank budget M (dense heads count as K), 0 < M ≤ max K.
         bytes_per_token: byte budget per sequence and decoded token, all mixer layers together.
+        allocation: ``"output"`` (minimum predicted KL) or ``"uniform"`` (every head the same rank:
+            M itself, or the largest rank whose bytes fit ``bytes_per_token``).
 
     Raises:
         SketchcalError: a missing/double/invalid budget, or one that cannot be met.
     """
     if len(fits) != len(traffic) or not fits:
         raise ValueError("one traffic model per layer fit is needed")
+    if allocation not in ALLOCATIONS:
+        raise SketchcalError(f"--allocation must be one of {', '.join(ALLOCATIONS)}, got {allocation!r}")
     validate_budget(rank, bytes_per_token, max(f.key_dim for f in fits))
     window = traffic[0].window
     if any(t.window != window for t in traffic):
         raise ValueError("all layers must share the window length")
+    selection = [selection_curves(f) for f in fits]
+    fallback = False
     costs: list[list[int]] = []
     values: list[list[float]] = []
     owners: list[tuple[int, int]] = []
-    for li, (fit, tm) in enumerate(zip(fits, traffic, strict=True)):
+    for li, (fit, tm, (curves, _)) in enumerate(zip(fits, traffic, selection, strict=True)):
         for h in range(fit.heads):
             if rank is not None:
                 costs.append([effective_rank(m, fit.key_dim) for m in fit.ranks])
             else:
                 costs.append([tm.window_bytes(m) for m in fit.ranks])
-            values.append([float(x) for x in fit.predicted[h]])
+            values.append([float(fit.kl_scale[h] * x) for x in curves[h]])
             owners.append((li, h))
     n = len(costs)
     budget = math.floor(rank * n + 1e-9) if rank is not None else math.floor(bytes_per_token * window + 1e-6)
-    try:
-        res = solve_mckp(costs, values, budget, max_cells=max_cells)
-    except InfeasibleBudget as err:
-        supported = ", ".join(str(m) for m in SUPPORTED_RANKS if m)
-        if rank is not None:
-            raise SketchcalError(
-                f"--rank {rank:g} cannot be met: the smallest supported rank of every head "
-                f"already gives mean rank {err.min_cost / n:.2f} (supported ranks: {supported}, "
-                "0 = dense counts as K); raise --rank"
-            ) from None
-        raise SketchcalError(
-            f"--bytes-per-token {bytes_per_token:g} cannot be met: the smallest supported ranks "
-            f"need {err.min_cost / window:.0f} bytes per token; raise the budget"
-        ) from None
+    if allocation == "uniform":
+        choice = _uniform(fits, costs, owners, budget, rank, bytes_per_token, window)
+        exact, gap = True, 0.0
+    else:
+        try:
+            res = solve_mckp(costs, values, budget, max_cells=max_cells)
+        except InfeasibleBudget as err:
+            raise _infeasible(rank, bytes_per_token, err.min_cost, n, window) from None
+        choice, exact, gap = res.choice, res.exact, res.value - res.lower_bound
+        kept = _uniform_if_no_worse(fits, costs, owners, budget, choice, selection[0][1])
+        if kept is not None:
+            choice, exact, gap, fallback = kept, True, 0.0, True
     ranks = [[0] * f.heads for f in fits]
-    for (li, h), j in zip(owners, res.choice, strict=True):
+    for (li, h), j in zip(owners, choice, strict=True):
         ranks[li][h] = fits[li].ranks[j]
     layers = [_layer_summary(f, tm, r) for f, tm, r in zip(fits, traffic, ranks, strict=True)]
-    heads = [(f, h, r[h]) for f, r in zip(fits, ranks, strict=True) for h in range(f.heads)]
     notes = []
-    if not res.exact:
+    if not exact:
+        notes.append(f"rank allocation rounded the costs; within {gap:.2e} nats/token of the optimum")
+    if fallback:
         notes.append(
-            f"rank allocation rounded the costs; within {(res.value - res.lower_bound) / n:.2e} "
-            "mean relative error of the optimum"
+            "every head keeps the same rank: on the held-out moments, which did not choose the ranks, "
+            "the knapsack's allocation predicts no lower KL than uniform ranks at the same budget"
         )
-    return Allocation(
+    alloc = Allocation(
         budget={"rank": float(rank)} if rank is not None else {"bytes_per_token": float(bytes_per_token)},
+        allocation=allocation,
+        selected_on=selection[0][1] if allocation == "output" else "none (uniform)",
         layers=layers,
-        mean_rank=sum(effective_rank(m, f.key_dim) for f, _, m in heads) / n,
-        predicted_error=res.value / n,
-        heldout_predicted_error=_mean([_at(f.heldout_predicted, f, h, m) for f, h, m in heads]),
-        measured_error=_mean([_at(f.measured, f, h, m) for f, h, m in heads]),
+        mean_rank=sum(effective_rank(m, f.key_dim) for f, r in zip(fits, ranks, strict=True) for m in r) / n,
+        predicted_kl=sum(lay.predicted_kl for lay in layers),
+        heldout_kl=_total([lay.heldout_kl for lay in layers]),
+        measured_kl=_total([lay.measured_kl for lay in layers]),
         bytes_per_token=sum(lay.bytes_per_token for lay in layers),
         replay_bytes_per_token=sum(lay.replay_bytes_per_token for lay in layers),
         standard_bytes_per_token=sum(lay.standard_bytes_per_token for lay in layers),
-        optimal=res.exact,
-        gap_bound=0.0 if res.exact else (res.value - res.lower_bound) / n,
+        optimal=exact,
+        gap_bound=gap,
         notes=notes,
+    )
+    held = alloc.heldout_score
+    if held is not None and alloc.predicted_kl > 0 and held > HELDOUT_MISMATCH * alloc.predicted_kl:
+        alloc.notes.append(
+            f"the held-out error is {held / alloc.predicted_kl:.1f}× the fitted one (predicted KL "
+            f"{held:.2e} vs {alloc.predicted_kl:.2e} nats/token): too little calibration data for "
+            "these ranks; calibrate with more --samples or longer --seq-len"
+        )
+    return alloc
+
+
+def _uniform(
+    fits: list[LayerFit],
+    costs: list[list[int]],
+    owners: list[tuple[int, int]],
+    budget: int,
+    rank: float | None,
+    bytes_per_token: float | None,
+    window: int,
+) -> list[int]:
+    """The option index of every head for the largest rank all heads can share within the budget."""
+    shared = sorted({m for f in fits for m in f.ranks if m}, reverse=True)
+    if rank is not None:
+        exact = [m for m in shared if m == rank]
+        if not exact and rank < max(f.key_dim for f in fits):
+            supported = ", ".join(str(m) for m in SUPPORTED_RANKS if m)
+            raise SketchcalError(
+                f"--allocation uniform needs a mean rank every head can take; {rank:g} is not one "
+                f"(supported ranks: {supported}); choose one of them"
+            )
+    for m in [0, *shared]:  # dense first: it fits only when the budget covers every head dense
+        choice = [fits[li].ranks.index(m) if m in fits[li].ranks else 0 for li, _ in owners]
+        if sum(c[j] for c, j in zip(costs, choice, strict=True)) <= budget:
+            return choice
+    raise _infeasible(rank, bytes_per_token, sum(min(c) for c in costs), len(costs), window)
+
+
+def _uniform_if_no_worse(
+    fits: list[LayerFit],
+    costs: list[list[int]],
+    owners: list[tuple[int, int]],
+    budget: int,
+    choice: list[int],
+    selected_on: str,
+) -> list[int] | None:
+    """The uniform ranks' option indices when they fit ``budget`` and the held-out moments predict
+    them no worse than ``choice``; else None.
+
+    The knapsack minimises the curves of :func:`selection_curves` exactly, so on those curves it can
+    never lose to uniform ranks; the guard needs an estimate that did not choose: the held-out
+    moments when the held-out windows chose (none otherwise: no guard)."""
+    if selected_on != "held-out windows" or any(f.heldout_predicted is None for f in fits):
+        return None
+    uniform = None
+    for m in [0, *sorted({m for f in fits for m in f.ranks if m}, reverse=True)]:  # dense first
+        if all(m in f.ranks for f in fits):
+            option = [fits[li].ranks.index(m) for li, _ in owners]
+            if sum(c[j] for c, j in zip(costs, option, strict=True)) <= budget:
+                uniform = option
+                break
+    if uniform is None or uniform == choice:
+        return None
+
+    def check(opt: list[int]) -> float:
+        return sum(
+            float(fits[li].kl_scale[h] * fits[li].heldout_predicted[h, j].nan_to_num(0.0))
+            for (li, h), j in zip(owners, opt, strict=True)
+        )
+
+    return uniform if check(uniform) <= check(choice) else None
+
+
+def _infeasible(
+    rank: float | None, bytes_per_token: float | None, min_cost: int, n: int, window: int
+) -> SketchcalError:
+    supported = ", ".join(str(m) for m in SUPPORTED_RANKS if m)
+    if rank is not None:
+        return SketchcalError(
+            f"--rank {rank:g} cannot be met: the smallest supported rank of every head already gives "
+            f"mean rank {min_cost / n:.2f} (supported ranks: {supported}, 0 = dense counts as K); "
+            "raise --rank"
+        )
+    return SketchcalError(
+        f"--bytes-per-token {bytes_per_token:g} cannot be met: the smallest supported ranks need "
+        f"{min_cost / window:.0f} bytes per token; raise the budget"
     )
 
 
-def _at(curves: torch.Tensor | None, fit: LayerFit, head: int, m: int) -> float:
+def _total(values: list[float | None]) -> float | None:
+    return None if any(v is None for v in values) else sum(values)
+
+
+def _kl(curves: torch.Tensor | None, fit: LayerFit, ranks: list[int]) -> float | None:
+    """Σ_h kl_scale_h · curves[h, m_h]; a head whose held-out windows hold no weighted read energy
+    (NaN: nothing to approximate there) counts 0."""
     if curves is None:
-        return float("nan")
-    return float(curves[head, fit.column(m)])
+        return None
+    return sum(float(fit.kl_scale[h] * curves[h, fit.column(m)].nan_to_num(0.0)) for h, m in enumerate(ranks))
 
 
 def _layer_summary(fit: LayerFit, tm: TrafficModel, ranks: list[int]) -> LayerAllocation:
@@ -185,9 +309,9 @@ def _layer_summary(fit: LayerFit, tm: TrafficModel, ranks: list[int]) -> LayerAl
         layer=fit.layer,
         ranks=list(ranks),
         mean_rank=sum(effective_rank(m, fit.key_dim) for m in ranks) / h,
-        predicted_error=sum(_at(fit.predicted, fit, i, m) for i, m in enumerate(ranks)) / h,
-        heldout_predicted_error=_mean([_at(fit.heldout_predicted, fit, i, m) for i, m in enumerate(ranks)]),
-        measured_error=_mean([_at(fit.measured, fit, i, m) for i, m in enumerate(ranks)]),
+        predicted_kl=_kl(fit.predicted, fit, ranks) or 0.0,
+        heldout_kl=_kl(fit.heldout_predicted, fit, ranks),
+        measured_kl=_kl(fit.measured, fit, ranks),
         bytes_per_token=sum(tm.step_bytes(m) for m in ranks),
         replay_bytes_per_token=h * tm.step_bytes(0),
         standard_bytes_per_token=h * tm.standard_step_bytes(),

@@ -70,7 +70,11 @@ def state_weighted_basis(e: Tensor, c: Tensor, rank: int | None = None) -> tuple
 
 
 def group_bases(
-    e_heads: Tensor, c_heads: Tensor, kind: str = "state", generator: torch.Generator | None = None
+    e_heads: Tensor,
+    c_heads: Tensor,
+    kind: str = "state",
+    generator: torch.Generator | None = None,
+    weights: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The full ordered bases [G, K, K] of G groups of h heads each, and their eigenvalues [G, K].
 
@@ -79,23 +83,28 @@ def group_bases(
         c_heads: [G, h, K, K] query moments.
         kind: ``"state"`` (state-weighted), ``"pca"`` (E = I: eigenvectors of the pooled C) or
             ``"random"`` (random orthogonal bases drawn from ``generator``; λ are NaN).
+        weights: [G, h] non-negative weight of each head's relative error in its group's objective
+            (None: equal weights).
 
-    For a group of several heads each head gets equal weight in the mean relative error: with
+    For a group of several heads the objective is the weighted mean relative error: with
     ``Ē_h = E_h / tr E_h`` and ``Ĉ_h = C_h / tr(Ē_h C_h)`` the single-head solution is applied to the
-    pooled ``Ē = mean_h Ē_h``, ``Ĉ = mean_h Ĉ_h``. This is the exact optimum of the group's mean
-    relative error when the heads' E are proportional, and the plain single-head solution for a group
-    of one head. (Pooling ``mean_h Ē_h Ĉ_h Ē_h`` instead is also exact in that case but not robust:
-    ``Ē^{−½}`` then no longer cancels and amplifies the heads' differences in the weak directions of E.)
+    pooled ``Ē = Σ_h w_h Ē_h / Σ w``, ``Ĉ = Σ_h w_h Ĉ_h / Σ w``. This is the exact optimum of the
+    group's weighted relative error when the heads' E are proportional, and the plain single-head
+    solution for a group of one head. (Pooling ``Σ_h w_h Ē_h Ĉ_h Ē_h`` instead is also exact in that
+    case but not robust: ``Ē^{−½}`` then no longer cancels and amplifies the heads' differences in the
+    weak directions of E.)
     """
-    g, _, k, _ = e_heads.shape
+    g, h, k, _ = e_heads.shape
+    w = torch.ones(g, h, dtype=e_heads.dtype) if weights is None else weights.to(e_heads.dtype)
     if kind == "random":
         q, r = torch.linalg.qr(torch.randn(g, k, k, dtype=torch.float64, generator=generator))
         q = q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1)).unsqueeze(-2)  # Haar-distributed
         return q, torch.full((g, k), float("nan"), dtype=torch.float64)
     if kind == "pca":
         trace_c = torch.diagonal(c_heads, dim1=-2, dim2=-1).sum(-1)
-        vals, w = eigh_desc((c_heads / trace_c.clamp_min(1e-300)[..., None, None]).mean(1))
-        return w, vals
+        c_bar = c_heads / trace_c.clamp_min(1e-300)[..., None, None]
+        vals, vecs = eigh_desc(_weighted_mean(c_bar, w * (trace_c > 0), torch.eye(k, dtype=c_heads.dtype)))
+        return vecs, vals
     if kind != "state":
         raise ValueError(f"unknown basis kind {kind!r}; choose one of {', '.join(BASIS_KINDS)}")
     trace_e = torch.diagonal(e_heads, dim1=-2, dim2=-1).sum(-1)
@@ -104,12 +113,16 @@ def group_bases(
     c_hat = c_heads / energy.clamp_min(1e-300)[..., None, None]
     # heads that are never read with any energy (dead heads) do not vote; a group of only such heads
     # gets an arbitrary basis (identity moments): every rank of it is exact
-    live = ((trace_e > 0) & (energy > 0)).to(e_heads.dtype)[..., None, None]
-    count = live.sum(1)
-    eye = torch.eye(k, dtype=e_heads.dtype).expand(g, k, k)
-    e_pool = torch.where(count > 0, (e_bar * live).sum(1) / count.clamp_min(1), eye)
-    c_pool = torch.where(count > 0, (c_hat * live).sum(1) / count.clamp_min(1), eye)
-    return state_weighted_basis(e_pool, c_pool)
+    votes = w * ((trace_e > 0) & (energy > 0))
+    eye = torch.eye(k, dtype=e_heads.dtype)
+    return state_weighted_basis(_weighted_mean(e_bar, votes, eye), _weighted_mean(c_hat, votes, eye))
+
+
+def _weighted_mean(m: Tensor, w: Tensor, empty: Tensor) -> Tensor:
+    """``Σ_h w_h m_h / Σ_h w_h`` over dim 1 of ``m`` [G, h, K, K]; ``empty`` where all weights are 0."""
+    total = w.sum(1)[:, None, None]
+    mean = (m * w[..., None, None]).sum(1) / total.clamp_min(1e-300)
+    return torch.where(total > 0, mean, empty.expand_as(mean))
 
 
 def group_basis(

@@ -6,10 +6,11 @@ For a head with frame R (its group's), rank m and rotated map ``P_rot`` [m, K]:
   ``err(m) = tr(Nᵀ E N C) / tr(E C)``, ``N = I − R_{:m}ᵀ P_rot R``: the expected squared read error
   over the expected squared read, assuming the checkpoint and the query are independent. Evaluated
   with the *raw* (unshrunk) calibration moments, or the held-out ones, while the map was built
-  from the shrunk calibration E.
-- **measured** (from the verbatim held-out windows): ``Σ ‖S_cᵀu − (R S_c)_{:m}ᵀ (P_rot R u)‖² /
-  Σ ‖S_cᵀu‖²``, summed over all sampled windows and their existing non-flush reads (a ratio of
-  sums, not a mean of ratios).
+  from the shrunk calibration E. With the output-weighted query moment ``C_fisher = Σ γ u uᵀ`` it
+  is the output-weighted relative error ``Σ γ ‖δ‖² / Σ γ ‖S_cᵀu‖²`` (γ: :mod:`sketchcal.calibrate.fisher`).
+- **measured** (from the verbatim held-out windows): ``Σ γ ‖S_cᵀu − (R S_c)_{:m}ᵀ (P_rot R u)‖² /
+  Σ γ ‖S_cᵀu‖²``, summed over all sampled windows and their existing non-flush reads (a ratio of
+  sums, not a mean of ratios), each read weighted by its γ (1 without weights).
 
 Dense (m = 0) is exact: error 0.
 """
@@ -48,7 +49,13 @@ def predicted_curve(frame: Tensor, maps: dict[int, Tensor], e: Tensor, c: Tensor
 
 
 def measured_curve(
-    frame: Tensor, maps: dict[int, Tensor], s: Tensor, u: Tensor, mask: Tensor, ranks: list[int]
+    frame: Tensor,
+    maps: dict[int, Tensor],
+    s: Tensor,
+    u: Tensor,
+    mask: Tensor,
+    ranks: list[int],
+    gamma: Tensor | None = None,
 ) -> Tensor:
     """Measured relative read error of one head on held-out windows. Returns [len(ranks)] float64.
 
@@ -57,10 +64,12 @@ def measured_curve(
         s: [R, K, V] checkpoints of the sampled windows (this head).
         u: [R, L−1, K] effective queries of their non-flush reads (this head).
         mask: [R, L−1] bool, True where the read exists.
-    NaN for every rank when the windows hold no read energy.
+        gamma: [R, L−1] output weights of the reads (None: all 1).
+    NaN for every rank when the windows hold no (weighted) read energy.
     """
     s = s.to(torch.float64)
-    u = u.to(torch.float64) * mask.to(torch.float64).unsqueeze(-1)
+    weight = mask.to(torch.float64) if gamma is None else mask.to(torch.float64) * gamma.to(torch.float64)
+    u = u.to(torch.float64) * weight.sqrt().unsqueeze(-1)  # Σ γ‖S_cᵀu‖² = Σ ‖S_cᵀ(√γ u)‖²
     exact = torch.einsum("rkv,rtk->rtv", s, u)
     den = float((exact * exact).sum())
     out = torch.zeros(len(ranks), dtype=torch.float64)

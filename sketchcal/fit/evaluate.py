@@ -58,6 +58,7 @@ def fit_all(
                 coef=coef,
                 shrinkage=shrinkage,
                 generator=gen,
+                decode_tokens=stats.decoded_tokens("calib"),
             )
         )
         if on_layer is not None:

@@ -1,4 +1,12 @@
-"""Fit one mixer layer: shrink E per head, solve each group's basis and frame, build error curves."""
+"""Fit one mixer layer: shrink E per head, solve each group's basis and frame, build error curves.
+
+Everything is weighted by the reads' output weights γ (:mod:`sketchcal.calibrate.fisher`): the
+bases solve the state-weighted problem for the output-weighted query moment ``C_fisher``, a
+group's heads are pooled by their share of the predicted KL, and the error curves are
+output-weighted relative errors. ``kl_scale`` turns a head's relative error into predicted KL
+per decoded token: ``KL_h(m) ≈ kl_scale_h · err_h(m)``, ``kl_scale_h = Σ γ ‖S_cᵀu‖² / (2 V n)``
+with n the decoded tokens of the calibration split.
+"""
 
 from __future__ import annotations
 
@@ -37,7 +45,8 @@ class LayerFit:
     predicted: Tensor  # [H, C] f64, predicted relative error from the calibration moments
     heldout_predicted: Tensor | None  # [H, C] f64, from the held-out moments
     measured: Tensor | None  # [H, C] f64, measured on the held-out windows
-    read_energy: Tensor  # [H] f64, mean exact read energy per calibration read (for weighting/reports)
+    read_energy: Tensor  # [H] f64, mean exact read energy per calibration read (for reports)
+    kl_scale: Tensor  # [H] f64, predicted KL per decoded token of a relative error of 1
 
     @property
     def heads_per_group(self) -> int:
@@ -80,6 +89,7 @@ def fit_layer(
     coef: str = "state",
     shrinkage: str = "ledoit_wolf",
     generator: torch.Generator | None = None,
+    decode_tokens: int | None = None,
 ) -> LayerFit:
     """Fit the frames of one layer and compute its error curves.
 
@@ -94,6 +104,8 @@ def fit_layer(
             ``"projection"`` (orthogonal projection, the E = I ablation of the map).
         shrinkage: ``"ledoit_wolf"``, ``"oas"`` or ``"none"`` for E.
         generator: randomness of the ``"random"`` basis.
+        decode_tokens: decoded tokens of the calibration split, n in ``kl_scale`` (default: the
+            number of non-flush reads, which undercounts by the flush reads).
     """
     if coef not in COEF_KINDS:
         raise ValueError(f"unknown coefficient map {coef!r}; choose one of {', '.join(COEF_KINDS)}")
@@ -108,10 +120,12 @@ def fit_layer(
         e_map[h], s_coef[h] = shrink(
             calib.E[h], float(calib.E_col4[h]), calib.n_checkpoints, v_dim, shrinkage
         )
-    c_mean = calib.C_mean
+    c_mean = calib.C_fisher_mean
+    kl_scale = calib.fisher / (2.0 * v_dim * (decode_tokens or max(calib.n_reads, 1)))
     hpg = heads // groups
     grouped = (groups, hpg, k, k)
-    b, eigvals = group_bases(e_map.reshape(grouped), c_mean.reshape(grouped), basis, generator)
+    votes = kl_scale.reshape(groups, hpg)  # a group's heads pooled by their share of the KL
+    b, eigvals = group_bases(e_map.reshape(grouped), c_mean.reshape(grouped), basis, generator, votes)
     frames = nested_frame(b)
     ranks = candidate_ranks(k)
     e_raw = calib.E_mean
@@ -132,11 +146,12 @@ def fit_layer(
         heldout_predicted=None,
         measured=None,
         read_energy=calib.read_energy / max(calib.n_reads, 1),
+        kl_scale=kl_scale,
     )
     use_heldout = heldout is not None and not heldout.empty
     if use_heldout:
         fit.heldout_predicted = torch.zeros(heads, len(ranks), dtype=torch.float64)
-        e_ho, c_ho = heldout.E_mean, heldout.C_mean
+        e_ho, c_ho = heldout.E_mean, heldout.C_fisher_mean
     if windows is not None:
         fit.measured = torch.zeros(heads, len(ranks), dtype=torch.float64)
     for h in range(heads):
@@ -150,6 +165,6 @@ def fit_layer(
             fit.heldout_predicted[h] = predicted_curve(frame, maps, e_ho[h], c_ho[h], ranks)
         if windows is not None:
             fit.measured[h] = measured_curve(
-                frame, maps, windows.S[:, h], windows.u[:, :, h], windows.mask, ranks
+                frame, maps, windows.S[:, h], windows.u[:, :, h], windows.mask, ranks, windows.gamma[:, :, h]
             )
     return fit

@@ -1,7 +1,9 @@
 """The statistics directory that ``sketchcal calibrate`` writes and ``convert`` / ``verify`` read.
 
-The one home of the format (docs/stats-format.md, version 1): its file names, tensor names and
-layouts, the writer and the reader.
+The one home of the format (docs/stats-format.md, version 2): its file names, tensor names and
+layouts, the writer and the reader. Version 2 added the output weights of the reads (``C_fisher``,
+``fisher``, ``windows.gamma``); version 1 directories are refused with a one-line error that says
+to recalibrate.
 
 Layout::
 
@@ -13,7 +15,7 @@ Layout::
 
 Tensors, per mixer layer i and split s ∈ :data:`SPLITS` (H heads, key dim K, value dim V, window L,
 R kept windows): the sums :func:`moment_layout` ``layers.{i}.{s}.<name>`` and the verbatim held-out
-window sample :func:`window_layout` ``layers.{i}.heldout.windows.<S|u|mask>``.
+window sample :func:`window_layout` ``layers.{i}.heldout.windows.<S|u|gamma|mask>``.
 
 Writing: the progress sums are written before the state that points to them, each atomically, so a
 crash at any point leaves either the previous consistent progress or the new one. Reading:
@@ -40,14 +42,14 @@ from sketchcal.errors import SketchcalError, first_line
 from sketchcal.fsutil import atomic_path, remove_stale_temporaries, write_json
 
 FORMAT = "sketchcal-stats"
-VERSION = 1
+VERSION = 2
 MANIFEST = "manifest.json"
 PROGRESS = "_progress"
 PROGRESS_STATE = "state.json"
 SHARD_PREFIX = "stats-"
 SHARD_BYTES = 2 * 2**30
 SPLITS = ("calib", "heldout")
-WINDOWS = "windows"  # the held-out window sample: layers.{i}.heldout.windows.<S|u|mask>
+WINDOWS = "windows"  # the held-out window sample: layers.{i}.heldout.windows.<S|u|gamma|mask>
 # what calibrate may replace with --overwrite: its own files (the plot included) and hidden temporaries
 _OURS = (MANIFEST, PROGRESS, SHARD_PREFIX, "calibration.png")
 _SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.int64: "I64", torch.uint8: "U8"}
@@ -60,7 +62,9 @@ def moment_layout(heads: int, key_dim: int) -> dict[str, tuple[tuple[int, ...], 
     return {
         "E": ((h, k, k), f64),
         "C": ((h, k, k), f64),
+        "C_fisher": ((h, k, k), f64),
         "read_energy": ((h,), f64),
+        "fisher": ((h,), f64),
         "E_col4": ((h,), f64),
         "C_col4": ((h,), f64),
         "n_checkpoints": ((1,), torch.int64),
@@ -80,6 +84,7 @@ def window_layout(
     return {
         f"{WINDOWS}.S": ((r, h, k, v), torch.float32),
         f"{WINDOWS}.u": ((r, p, h, k), torch.float32),
+        f"{WINDOWS}.gamma": ((r, p, h), torch.float32),
         f"{WINDOWS}.mask": ((r, p), torch.uint8),
     }
 
@@ -240,7 +245,9 @@ class Moments:
 
     E: Tensor  # [H, K, K] f64, Σ_checkpoints S Sᵀ
     C: Tensor  # [H, K, K] f64, Σ_reads u uᵀ
+    C_fisher: Tensor  # [H, K, K] f64, Σ_reads γ u uᵀ (γ: the read's output weight)
     read_energy: Tensor  # [H] f64, Σ_reads ‖S_cᵀ u‖²
+    fisher: Tensor  # [H] f64, Σ_reads γ ‖S_cᵀ u‖²
     E_col4: Tensor  # [H] f64, Σ_checkpoints Σ_v ‖S[:, v]‖⁴
     C_col4: Tensor  # [H] f64, Σ_reads ‖u‖⁴
     n_checkpoints: int
@@ -257,6 +264,11 @@ class Moments:
         return self.C / max(self.n_reads, 1)
 
     @property
+    def C_fisher_mean(self) -> Tensor:
+        """[H, K, K] ``mean γ u uᵀ`` per read."""
+        return self.C_fisher / max(self.n_reads, 1)
+
+    @property
     def empty(self) -> bool:
         return self.n_checkpoints <= 0 or self.n_reads <= 0
 
@@ -267,6 +279,7 @@ class HeldoutWindows:
 
     S: Tensor  # [R, H, K, V] f32 checkpoints
     u: Tensor  # [R, L−1, H, K] f32 effective queries
+    gamma: Tensor  # [R, L−1, H] f32 output weights of the reads
     mask: Tensor  # [R, L−1] bool, True where the read exists
 
     @property
@@ -302,6 +315,11 @@ class Stats:
     @property
     def model_id(self) -> str | None:
         return self.model.get("id")
+
+    def decoded_tokens(self, split: str) -> int | None:
+        """Decoded (non-prompt) tokens of ``split`` in the manifest's counts; None when absent."""
+        n = ((self.manifest.get("tokens") or {}).get(split) or {}).get("decode")
+        return int(n) if n else None
 
     def info(self, layer: int) -> LayerInfo:
         for li in self.layers:
@@ -344,7 +362,9 @@ class Stats:
         m = Moments(
             E=t["E"].to(torch.float64),
             C=t["C"].to(torch.float64),
+            C_fisher=t["C_fisher"].to(torch.float64),
             read_energy=t["read_energy"].to(torch.float64),
+            fisher=t["fisher"].to(torch.float64),
             E_col4=t["E_col4"].to(torch.float64),
             C_col4=t["C_col4"].to(torch.float64),
             n_checkpoints=int(t["n_checkpoints"].reshape(-1)[0]),
@@ -365,13 +385,13 @@ class Stats:
         if not self._has_windows[layer]:
             return None
         with self._open(li) as fh:
-            s, u, mask = (
+            s, u, gamma, mask = (
                 self._read(fh, li, tensor_name(layer, "heldout", n))
                 for n in window_layout(0, li.heads, li.key_dim, li.value_dim, self.window)
             )
         if s.shape[0] == 0:
             return None
-        return HeldoutWindows(S=s, u=u, mask=mask.to(torch.bool))
+        return HeldoutWindows(S=s, u=u, gamma=gamma, mask=mask.to(torch.bool))
 
 
 def _bad_manifest(path: Path, why: str) -> SketchcalError:
@@ -412,6 +432,11 @@ def read_manifest(path: Path, *, require_complete: bool = True) -> dict[str, Any
         raise _bad_manifest(path, "not a JSON object")
     if manifest.get("format") != FORMAT:
         raise _bad_manifest(path, f"format is {manifest.get('format')!r}, expected {FORMAT!r}")
+    if manifest.get("version") == 1:
+        raise SketchcalError(
+            f"{mf}: statistics format version 1 holds no output weights of the reads, which the rank "
+            f"allocation now needs; recalibrate (sketchcal calibrate) to write version {VERSION}"
+        )
     if manifest.get("version") != VERSION:
         raise SketchcalError(
             f"{mf}: statistics format version {manifest.get('version')!r} is not supported "
@@ -423,7 +448,7 @@ def read_manifest(path: Path, *, require_complete: bool = True) -> dict[str, Any
 
 
 def load_stats(stats_dir: str | Path) -> Stats:
-    """Open and validate a statistics directory (format version 1).
+    """Open and validate a statistics directory (format version 2).
 
     Checks: the manifest (present, valid JSON, format/version, ``complete: true``, required
     fields), every shard (present, opens, holds all tensors of its layers with the documented
@@ -521,13 +546,18 @@ def _check_layer_header(
         return False
     if not all(present):
         raise SketchcalError(f"{path / shard}: the held-out window sample of layer {li.layer} is incomplete")
-    (s_shape, _), (u_shape, _), (m_shape, _) = (header[n] for n in names)
+    (s_shape, _), (u_shape, _), (g_shape, _), (m_shape, _) = (header[n] for n in names)
     r = s_shape[0] if s_shape else -1
-    if s_shape != (r, h, k, v) or u_shape != (r, window - 1, h, k) or m_shape != (r, window - 1):
+    if (
+        s_shape != (r, h, k, v)
+        or u_shape != (r, window - 1, h, k)
+        or g_shape != (r, window - 1, h)
+        or m_shape != (r, window - 1)
+    ):
         raise SketchcalError(
             f"{path / shard}: held-out windows of layer {li.layer} have shapes "
-            f"{list(s_shape)}, {list(u_shape)}, {list(m_shape)}; expected [R, {h}, {k}, {v}], "
-            f"[R, {window - 1}, {h}, {k}], [R, {window - 1}]"
+            f"{list(s_shape)}, {list(u_shape)}, {list(g_shape)}, {list(m_shape)}; expected "
+            f"[R, {h}, {k}, {v}], [R, {window - 1}, {h}, {k}], [R, {window - 1}, {h}], [R, {window - 1}]"
         )
     return True
 

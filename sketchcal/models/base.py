@@ -87,9 +87,17 @@ class FamilyAdapter(Protocol):
     def layer_shape(self, mixer: nn.Module) -> LayerShape: ...
 
     def inputs(
-        self, kind: str, args: dict[str, Any], dtype: torch.dtype = torch.float64
+        self,
+        kind: str,
+        args: dict[str, Any],
+        dtype: torch.dtype = torch.float64,
+        *,
+        step_dynamics: bool = False,
     ) -> tuple[StepInputs, Tensor | None]:
-        """``(inputs, initial_state)``; the state is key-major [B, H, K, V] ``dtype``, or None."""
+        """``(inputs, initial_state)``; the state is key-major [B, H, K, V] ``dtype``, or None.
+
+        ``step_dynamics``: convert a chunked call's tokens as the one-token function would compute
+        them (where the two differ: Mamba-2's chunked function limits dt, its step does not)."""
         ...
 
     def pre_gate_output(self, kind: str, result: Any) -> Tensor:

@@ -5,7 +5,8 @@ The mixers call module-level functions of their transformers modeling module (a 
 prefill and a one-token decode). While a :class:`MixerTap` is active those names are replaced
 by wrappers that (1) convert the arguments with the family adapter, (2) run the original
 function (its torch reference on the CPU, so kernels that need a GPU are never called there)
-and (3) report the call, tagged with the calling mixer's layer index.
+and (3) report the call, tagged with the calling mixer's layer index. :class:`OutputCapture`
+wraps the same functions to collect each call's output instead (for gradients with respect to it).
 """
 
 from __future__ import annotations
@@ -97,24 +98,16 @@ def use_torch_path(spec: ModelSpec) -> None:
             setattr(module, name, torch_reference(fn))
 
 
-class MixerTap:
-    """Context manager reporting every recurrent-mixer call of ``model`` to ``on_call``.
+class _MixerPatch:
+    """Replace the modeling module's kernel functions by ``_wrap(kind, original, adapter)`` while
+    active, with forward hooks on the mixers that tell the wrappers which layer is calling."""
 
-    ``record_outputs`` also reports each call's pre-gate output (for tests; it costs a copy).
-    """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        spec: ModelSpec,
-        on_call: Callable[[MixerCall], None],
-        record_outputs: bool = False,
-    ):
-        self.model, self.spec, self.on_call, self.record_outputs = model, spec, on_call, record_outputs
+    def __init__(self, model: nn.Module, spec: ModelSpec):
+        self.model, self.spec = model, spec
         self._layer: int | None = None
         self._stack = contextlib.ExitStack()
 
-    def __enter__(self) -> MixerTap:
+    def __enter__(self):
         module = _modeling_module(self.spec)
         adapter = self.spec.adapter
         replacements = {}
@@ -153,6 +146,32 @@ class MixerTap:
                 h.remove()
 
     def _wrap(self, kind: str, original: Callable, adapter: FamilyAdapter) -> Callable:
+        raise NotImplementedError
+
+
+class MixerTap(_MixerPatch):
+    """Context manager reporting every recurrent-mixer call of ``model`` to ``on_call``.
+
+    ``record_outputs`` also reports each call's pre-gate output (for tests; it costs a copy).
+    ``step_dynamics``: convert the arguments of chunked calls as the one-token function computes
+    (Mamba-2: no dt limit), the dynamics that decoding has (calibration).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        spec: ModelSpec,
+        on_call: Callable[[MixerCall], None],
+        record_outputs: bool = False,
+        step_dynamics: bool = False,
+    ):
+        super().__init__(model, spec)
+        self.on_call, self.record_outputs, self.step_dynamics = on_call, record_outputs, step_dynamics
+
+    def __enter__(self) -> MixerTap:
+        return super().__enter__()
+
+    def _wrap(self, kind: str, original: Callable, adapter: FamilyAdapter) -> Callable:
         reference = torch_reference(original)
         signature = inspect.signature(reference)
 
@@ -166,7 +185,7 @@ class MixerTap:
             layer = self._layer
             if layer is None:  # called from outside a tapped mixer
                 return impl(*args, **kwargs)
-            inputs, state = adapter.inputs(kind, named)
+            inputs, state = adapter.inputs(kind, named, step_dynamics=self.step_dynamics)
             output = None
             if self.record_outputs:
                 output = self._pre_gate_output(kind, reference, named, adapter)
@@ -188,3 +207,29 @@ class MixerTap:
             ungated["state"] = ungated["state"].clone()  # the function updates the state in place
         with torch.no_grad():
             return adapter.pre_gate_output(kind, reference(**ungated)).float()
+
+
+class OutputCapture(_MixerPatch):
+    """Context manager collecting the pre-gate output [B, T, H, V] of every recurrent-mixer call of
+    ``model``, by layer, as the tensor the model goes on computing with (so that gradients with
+    respect to it can be taken). The mixers must not gate inside the kernel function (every
+    supported architecture passes ``z=None``)."""
+
+    def __init__(self, model: nn.Module, spec: ModelSpec):
+        super().__init__(model, spec)
+        self.outputs: dict[int, list[Tensor]] = {}
+
+    def __enter__(self) -> OutputCapture:
+        return super().__enter__()
+
+    def _wrap(self, kind: str, original: Callable, adapter: FamilyAdapter) -> Callable:
+        reference = torch_reference(original)
+
+        @functools.wraps(reference)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            result = pick_implementation(original, reference, [*args, *kwargs.values()])(*args, **kwargs)
+            if self._layer is not None:
+                self.outputs.setdefault(self._layer, []).append(adapter.pre_gate_output(kind, result))
+            return result
+
+        return wrapper

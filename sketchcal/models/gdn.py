@@ -31,8 +31,13 @@ class GdnAdapter:
         return LayerShape(mixer.layer_idx, heads, groups, mixer.head_k_dim, mixer.head_v_dim)
 
     def inputs(
-        self, kind: str, args: dict[str, Any], dtype: torch.dtype = torch.float64
-    ) -> tuple[StepInputs, Tensor | None]:
+        self,
+        kind: str,
+        args: dict[str, Any],
+        dtype: torch.dtype = torch.float64,
+        *,
+        step_dynamics: bool = False,
+    ) -> tuple[StepInputs, Tensor | None]:  # both functions compute the same dynamics
         q, k, w, beta, decay, state = delta_rule_terms(args, _l2norm, dtype)
         q = q * q.shape[-1] ** -0.5
         rep = w.shape[-2] // k.shape[-2]  # value heads per key head

@@ -30,8 +30,13 @@ class KdaAdapter:
         return LayerShape(mixer.layer_idx, mixer.num_heads, mixer.num_heads, mixer.head_dim, mixer.head_dim)
 
     def inputs(
-        self, kind: str, args: dict[str, Any], dtype: torch.dtype = torch.float64
-    ) -> tuple[StepInputs, Tensor | None]:
+        self,
+        kind: str,
+        args: dict[str, Any],
+        dtype: torch.dtype = torch.float64,
+        *,
+        step_dynamics: bool = False,
+    ) -> tuple[StepInputs, Tensor | None]:  # both functions compute the same dynamics
         q, k, w, beta, decay, state = delta_rule_terms(args, _l2norm, dtype)
         q = q * (1 / q.shape[-1] ** 0.5)
         return StepInputs(k=k.to(dtype), q=q.to(dtype), w=w, decay=decay, beta=beta), state

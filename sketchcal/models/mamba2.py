@@ -7,6 +7,10 @@ A [H, P, N], B/C [B, G, N], D [H, P], dt_bias [H, P], ...)``. Architecture-speci
 already in the arguments. In the design's notation K = d_state (N), V = head_dim (P),
 k = B, q = C, w = dt·x, a = exp(dt·A), and reads add the skip D·x. transformers stores the
 state as [B, H, P, N]; we expose it key-major, [B, H, N, P].
+
+The chunked function clamps dt to the model's ``time_step_limit`` and the one-token function does
+not; decoded tokens get the one-token dynamics wherever they are converted (``step_dynamics``: the
+runtime's decode steps, calibration's decoded tokens), since those are what decoding computes.
 """
 
 from __future__ import annotations
@@ -32,7 +36,12 @@ class Mamba2Adapter:
         )
 
     def inputs(
-        self, kind: str, args: dict[str, Any], dtype: torch.dtype = torch.float64
+        self,
+        kind: str,
+        args: dict[str, Any],
+        dtype: torch.dtype = torch.float64,
+        *,
+        step_dynamics: bool = False,
     ) -> tuple[StepInputs, Tensor | None]:
         if kind == "prefill":
             x, dt, A, B, C = (args[n] for n in ("hidden_states", "dt", "A", "B", "C"))
@@ -53,7 +62,7 @@ class Mamba2Adapter:
             dt = dt + dt_bias.to(dt.dtype)
         if args.get("dt_softplus"):
             dt = F.softplus(dt)
-        if kind == "prefill":  # the decode function applies no dt limit
+        if kind == "prefill" and not step_dynamics:  # the one-token function applies no dt limit
             lo, hi = args.get("dt_limit", (0.0, float("inf")))
             dt = torch.clamp(dt, min=lo, max=hi)
         dt = dt.float().to(dtype)

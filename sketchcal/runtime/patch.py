@@ -346,10 +346,8 @@ class Runtime:
         return state.step(x, out_dtype=None)
 
     def _inputs(self, kind: str, named: dict[str, Any]):
-        if self.glue.family == "mamba2" and kind == "prefill":
-            named = {**named, "dt_limit": (0.0, float("inf"))}  # decode steps: the one-token function's dt
         dtype = torch.float32 if self.backend == "triton" else torch.float64  # what the kernels take
-        return self.spec.adapter.inputs(kind, named, dtype)[0]
+        return self.spec.adapter.inputs(kind, named, dtype, step_dynamics=True)[0]  # decode steps
 
     def _own_prefill(
         self, impl: Callable, call: tuple[tuple, dict[str, Any]], named: dict[str, Any], n0: int, layer: int

@@ -115,7 +115,7 @@ def markdown(result: VerifyResult, plots: dict[str, str]) -> str:
         f"- base model `{result.base_model}`, weights from `{Path(result.model_id).name}`",
         f"- family **{result.family}**, window L = {result.window}; {result.samples} held-out samples from "
         f"`{result.data.get('source')}`, {result.prompt} prefill tokens then {result.tokens} teacher-forced "
-        "decode steps each",
+        f"decode steps each; computed in {result.dtype}",
         f"- sketch: mean rank {_num(main.mean_rank, '.2f')}, basis `{main.basis}`, read dtype "
         f"`{main.read_dtype}`; traffic {t['bytes_per_token']:.0f} B/token vs "
         f"{t['standard_bytes_per_token']:.0f} standard ({_pct(t['reduction_vs_standard'])} saved) and "
@@ -123,7 +123,10 @@ def markdown(result: VerifyResult, plots: dict[str, str]) -> str:
     ]
     if result.retrieval:
         r = result.retrieval
-        parts.append(f"- retrieval: {r['task']}, {r['pairs']} pairs, {r['queries']} queries in all")
+        parts.append(
+            f"- retrieval: {r['task']}, {r['pairs']} pairs, {r['queries']} queries in all"
+            + ("" if r.get("applicable", True) else " (not applicable: the full-state model does not do it)")
+        )
     parts += [
         "",
         "KL is KL(standard ‖ config) of the next-token distributions, in nats; top-1 is agreement with "

@@ -31,6 +31,7 @@ from torch import nn
 from sketchcal.artifact.convert import fit_sketch, sketch_section, traffic_models
 from sketchcal.artifact.sketch import SketchArtifact, check_base_weights, check_stats, read_sketch
 from sketchcal.errors import SketchcalError
+from sketchcal.fit.ranks import SUPPORTED_RANKS
 from sketchcal.formats.stats import Stats, load_stats
 from sketchcal.fsutil import check_writable, finite_json
 from sketchcal.models import ModelSpec
@@ -42,6 +43,11 @@ from sketchcal.verify.metrics import ReadErrorMeter, TokenMetrics
 from sketchcal.verify.retrieval import RecallSet, build_recall, recall_hits
 
 LOW_PRECISION = "bf16"  # the shared-precision ablation's dtype when the artifact reads in fp32
+
+
+# The recall rows are reported only where the full-state model does the task: at least this
+# accuracy and 5× chance; below, a sketch's recall says nothing about the sketch.
+RECALL_FLOOR = 0.1
 
 
 @dataclass
@@ -99,6 +105,7 @@ class VerifyResult:
     prompt: int
     tokens: int
     samples: int
+    dtype: str  # the compute dtype of every row
     data: dict[str, Any]
     retrieval: dict[str, Any] | None
     configs: list[ConfigResult]
@@ -127,7 +134,7 @@ def _has_weights(d: Path) -> bool:
     return any(d.glob("*.safetensors")) or (d / "model.safetensors.index.json").is_file()
 
 
-def _load(model_dir: Path, baseline: str | None, device: str):
+def _load(model_dir: Path, baseline: str | None, device: str, dtype: str):
     """The model to run (its weights) and the sketch; the sketch's fingerprint must match the model."""
     from sketchcal.models.loading import load_model
 
@@ -143,7 +150,7 @@ def _load(model_dir: Path, baseline: str | None, device: str):
                 f"{model_dir} holds no weights and names no base model; "
                 "pass the full-state model (--baseline)"
             )
-    loaded = load_model(source, device=device)
+    loaded = load_model(source, device=device, dtype=dtype)
     read_sketch(model_dir, config=loaded.model.config)  # fingerprint check against the loaded model
     if source != str(model_dir):
         check_base_weights(art, loaded.weights_fingerprint, source)
@@ -180,11 +187,12 @@ class Refits:
         self.traffic = traffic_models(
             stats.family, stats.layers, stats.window, self.read_dtype, self.buffer_dtype
         )
-        self._done: dict[tuple[str, float], SketchArtifact] = {}
+        self._done: dict[tuple[str, float, str], SketchArtifact] = {}
 
-    def __call__(self, rank: float, basis: str) -> SketchArtifact:
-        """The sketch fitted at mean rank ``rank`` with ``basis``."""
-        if (basis, rank) not in self._done:
+    def __call__(self, rank: float, basis: str, allocation: str = "output") -> SketchArtifact:
+        """The sketch fitted at mean rank ``rank`` with ``basis`` and ``allocation``."""
+        key = (basis, rank, allocation)
+        if key not in self._done:
             coef = self.art.config.get("coef", "state")
             fit = fit_sketch(
                 self.stats,
@@ -193,6 +201,7 @@ class Refits:
                 basis=basis,
                 coef=coef,
                 shrinkage=self.shrinkage,
+                allocation=allocation,
                 progress=False,
             )
             base = self.art.config.get("base_model") or {}
@@ -209,10 +218,10 @@ class Refits:
                 weights_fingerprint=base.get("weights_fingerprint"),
             )
             # no file behind it: the metadata holds what the runtime checks, the fingerprint
-            self._done[(basis, rank)] = SketchArtifact(
+            self._done[key] = SketchArtifact(
                 config=section, metadata={"fingerprint": self.stats.fingerprint}, layers=fit.layers
             )
-        return self._done[(basis, rank)]
+        return self._done[key]
 
 
 def _budget(art: SketchArtifact) -> float | None:
@@ -303,6 +312,18 @@ def _configs(
     ]
     if ablations:
         if refits is not None and budget is not None:
+            if budget in SUPPORTED_RANKS:  # every head at the budget's rank: the same mean rank
+                cfgs.append(
+                    RunConfig(
+                        "sketch · uniform ranks",
+                        "sketch",
+                        "ablation",
+                        refits(budget, basis, "uniform"),
+                        read_dtype,
+                        basis=basis,
+                        budget=budget,
+                    )
+                )
             for alt in ("pca", "random"):
                 if alt != basis:
                     cfgs.append(
@@ -329,14 +350,16 @@ def _configs(
         cfgs.append(RunConfig(f"sketch · {low} shared", "sketch", "ablation", art, low, True, basis))
     for r in ranks if refits is not None else ():  # verify refuses a sweep without statistics
         # the artifact's own budget is the main "sketch" row (and its PCA ablation row): not re-run
-        alts = [basis] + (["pca"] if ablations and basis != "pca" else [])
-        for alt in alts if r != budget else []:
+        alts = [(basis, "output")] + ([("pca", "output")] if ablations and basis != "pca" else [])
+        alts += [(basis, "uniform")] if ablations and r in SUPPORTED_RANKS else []
+        for alt, how in alts if r != budget else []:
+            suffix = " · uniform ranks" if how == "uniform" else "" if alt == basis else f" · {alt} basis"
             cfgs.append(
                 RunConfig(
-                    f"sketch · rank {r:g}" + ("" if alt == basis else f" · {alt} basis"),
+                    f"sketch · rank {r:g}{suffix}",
                     "sketch",
                     "rank sweep",
-                    refits(r, alt),
+                    refits(r, alt, how),
                     read_dtype,
                     basis=alt,
                     budget=r,
@@ -418,7 +441,7 @@ def run_verify(settings: VerifySettings) -> VerifyResult:
             "pass the statistics directory (stats=DIR / --stats DIR)"
         )
     check_writable(out_dir, 2**24, f"the verify report in {out_dir}")
-    loaded, art = _load(model_dir, s.baseline, s.device)
+    loaded, art = _load(model_dir, s.baseline, s.device, s.dtype)
     spec, model, dev = loaded.spec, loaded.model, loaded.device
     window = int(art.config.get("window", art.metadata.get("window", 16)))
     traffic_cfg = art.config.get("traffic", {})
@@ -428,12 +451,14 @@ def run_verify(settings: VerifySettings) -> VerifyResult:
     sample_set = build_samples(
         loaded.tokenizer,
         s.data,
-        num_samples=1,
+        num_samples=0,
         seq_len=prompt + tokens + 1,
         heldout_samples=s.samples,
         seed=s.seed,
         text_field=s.text_field,
         revision=s.data_revision,
+        evaluation=True,
+        option_names={"heldout_samples": "--samples", "seq_len": "--tokens"},
     )
     held = torch.tensor(sample_set.heldout)
     recall: RecallSet | None = None
@@ -513,6 +538,25 @@ def run_verify(settings: VerifySettings) -> VerifyResult:
                 sketch_map=c.sketch_map,
             )
         )
+    retrieval = None
+    if recall is not None:
+        chance = 1 / recall.n_pairs
+        full = next((r.retrieval_accuracy for r in results if r.mode == "standard"), None)
+        applicable = full is not None and full >= max(RECALL_FLOOR, 5 * chance)
+        retrieval = {
+            "task": "associative recall",
+            "pairs": recall.n_pairs,
+            "queries": recall.num_queries,
+            "full_state_accuracy": full,
+            "applicable": applicable,
+        }
+        if not applicable:
+            notes.append(
+                f"recall: not applicable; the full-state model answers {full:.1%} of the queries "
+                f"(chance {chance:.1%}), so this model does not do the task at this length"
+            )
+            for r in results:
+                r.retrieval_accuracy = None
     result = VerifyResult(
         model_dir=str(model_dir),
         model_id=loaded.model_id,
@@ -522,10 +566,9 @@ def run_verify(settings: VerifySettings) -> VerifyResult:
         prompt=prompt,
         tokens=tokens,
         samples=len(held),
+        dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
         data=sample_set.info,
-        retrieval=None
-        if recall is None
-        else {"task": "associative recall", "pairs": recall.n_pairs, "queries": recall.num_queries},
+        retrieval=retrieval,
         configs=results,
         command=s.command or _command(s),
         notes=notes,
