@@ -1,11 +1,11 @@
 """Associative recall built from the tokenizer's vocabulary: can the decoder look a value up?
 
 Each sequence is a text prefix (the first ``prompt`` tokens of a held-out sample, run as prefill),
-then ``n_pairs`` key–value pairs ``k₁ v₁ k₂ v₂ …`` and ``n_queries`` queries ``k v`` repeating
-earlier keys, all as decode steps (teacher-forced). Keys and values are distinct whole-word tokens
-of the vocabulary (`` word`` pieces), so the only way to predict a queried value is to recall the
-pair from the recurrent (or attention) state several windows back. The score is top-1 accuracy of
-the value after each queried key.
+optionally more held-out text, then ``n_pairs`` key–value pairs ``k₁ v₁ k₂ v₂ …`` and ``n_queries``
+queries ``k v`` repeating earlier keys, all after the prefix as decode steps (teacher-forced). Keys
+and values are distinct whole-word tokens of the vocabulary (`` word`` pieces), so the only way to
+predict a queried value is to recall the pair from the recurrent (or attention) state several
+windows back. The score is top-1 accuracy of the value after each queried key.
 """
 
 from __future__ import annotations

@@ -556,6 +556,7 @@ def run_verify(settings: VerifySettings) -> VerifyResult:
             "task": "associative recall",
             "pairs": recall.n_pairs,
             "queries": recall.num_queries,
+            "text_tokens": lead,  # held-out text decoded before the pairs
             "full_state_accuracy": full,
             "applicable": applicable,
         }
