@@ -183,6 +183,12 @@ def test_recall_task_is_well_formed(loaded):
     logits = torch.zeros(3, 64, len(loaded.tokenizer))  # argmax 0: never a word token
     hits = recall_hits(logits, rs.query_pos, rs.answers, 3)
     assert hits.shape == rs.answers.shape and not hits.any()
+    # held-out text decoded first: the pairs and queries fill the rest, after it
+    text = [[100 + n] * 40 for n in range(3)]
+    long = build_recall(loaded.tokenizer, prefixes, 40 + 64, seed=1, text=text)
+    assert long.ids.shape == (3, 3 + 104) and long.n_pairs == rs.n_pairs
+    assert long.ids[:, 3:43].tolist() == text and torch.equal(long.query_pos, rs.query_pos + 40)
+    assert torch.equal(long.ids[:, 43:], rs.ids[:, 3:]) and torch.equal(long.answers, rs.answers)
 
 
 def test_refits_in_memory_equal_a_written_conversion(artifact, tmp_path):

@@ -62,7 +62,8 @@ def table(report: dict) -> str:
     lines.append(
         f"{report['samples']} held-out samples × {report['tokens']} teacher-forced tokens after a "
         f"{report['prompt']}-token prompt (window {report['window']}); recall: {r['queries']} queries "
-        f"over {r['pairs']} key-value pairs (chance {1 / r['pairs']:.1%})."
+        f"over {r['pairs']} key-value pairs after {r['text_tokens']} tokens of text "
+        f"(chance {1 / r['pairs']:.1%})."
     )
     return "\n".join(lines)
 

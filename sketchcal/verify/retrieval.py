@@ -1,11 +1,11 @@
 """Associative recall built from the tokenizer's vocabulary: can the decoder look a value up?
 
 Each sequence is a text prefix (the first ``prompt`` tokens of a held-out sample, run as prefill),
-then ``n_pairs`` key–value pairs ``k₁ v₁ k₂ v₂ …`` and ``n_queries`` queries ``k v`` repeating
-earlier keys, all as decode steps (teacher-forced). Keys and values are distinct whole-word tokens
-of the vocabulary (`` word`` pieces), so the only way to predict a queried value is to recall the
-pair from the recurrent (or attention) state several windows back. The score is top-1 accuracy of
-the value after each queried key.
+optionally more held-out text, then ``n_pairs`` key–value pairs ``k₁ v₁ k₂ v₂ …`` and ``n_queries``
+queries ``k v`` repeating earlier keys, all after the prefix as decode steps (teacher-forced). Keys
+and values are distinct whole-word tokens of the vocabulary (`` word`` pieces), so the only way to
+predict a queried value is to recall the pair from the recurrent (or attention) state several
+windows back. The score is top-1 accuracy of the value after each queried key.
 """
 
 from __future__ import annotations
@@ -50,11 +50,23 @@ class RecallSet:
 
 
 def build_recall(
-    tokenizer: Any, prefixes: list[list[int]], decoded: int, *, seed: int = 0, max_queries: int = 16
+    tokenizer: Any,
+    prefixes: list[list[int]],
+    decoded: int,
+    *,
+    seed: int = 0,
+    max_queries: int = 16,
+    text: list[list[int]] | None = None,
 ) -> RecallSet:
-    """One recall sequence per prefix, with ``decoded`` tokens of pairs and queries after it."""
-    n_queries = max(1, min(max_queries, decoded // 8))
-    n_pairs = (decoded - 2 * n_queries) // 2
+    """One recall sequence per prefix, with ``decoded`` tokens after it: the tokens of ``text``
+    (one row per prefix, decoded as ordinary text; default none), then pairs and queries in the
+    rest."""
+    lead = len(text[0]) if text else 0
+    if text and any(len(t) != lead for t in text):
+        raise ValueError("the text rows must have one length")
+    span = decoded - lead
+    n_queries = max(1, min(max_queries, span // 8))
+    n_pairs = (span - 2 * n_queries) // 2
     if n_pairs < n_queries:
         raise SketchcalError(f"the retrieval test needs at least 4 decoded tokens (--tokens), got {decoded}")
     vocab = word_tokens(tokenizer)
@@ -74,9 +86,10 @@ def build_recall(
         pairs = torch.stack([keys, values], dim=1).flatten()
         which = torch.randperm(n_pairs, generator=gen)[:n_queries]
         queries = torch.stack([keys[which], values[which]], dim=1).flatten()
-        tail = torch.full((decoded - 2 * n_pairs - 2 * n_queries,), filler)  # 0 or 1 token
-        rows.append(torch.cat([torch.tensor(prefix, dtype=torch.long), pairs, tail, queries]))
-        start = len(prefix) + 2 * n_pairs + tail.numel()
+        tail = torch.full((span - 2 * n_pairs - 2 * n_queries,), filler)  # 0 or 1 token
+        lead_ids = torch.tensor(text[len(rows)] if text else [], dtype=torch.long)
+        rows.append(torch.cat([torch.tensor(prefix, dtype=torch.long), lead_ids, pairs, tail, queries]))
+        start = len(prefix) + lead + 2 * n_pairs + tail.numel()
         qpos.append(start + 2 * torch.arange(n_queries))
         answers.append(values[which])
     return RecallSet(torch.stack(rows), torch.stack(qpos), torch.stack(answers), n_pairs)

@@ -45,6 +45,10 @@ from sketchcal.verify.retrieval import RecallSet, build_recall, recall_hits
 LOW_PRECISION = "bf16"  # the shared-precision ablation's dtype when the artifact reads in fp32
 
 
+# The recall task takes the last this many decoded tokens (all of them when there are fewer): 48
+# key-value pairs and 16 queries, after the held-out text that the other rows decode, so the pairs are
+# stored in states that have run as long as the sequence.
+RECALL_SPAN = 128
 # The recall rows are reported only where the full-state model does the task: at least this
 # accuracy and 5× chance; below, a sketch's recall says nothing about the sketch.
 RECALL_FLOOR = 0.1
@@ -463,8 +467,13 @@ def run_verify(settings: VerifySettings) -> VerifyResult:
     held = torch.tensor(sample_set.heldout)
     recall: RecallSet | None = None
     if s.retrieval:
+        lead = max(0, tokens - RECALL_SPAN)  # held-out text decoded before the pairs
         recall = build_recall(
-            loaded.tokenizer, [row[:prompt] for row in sample_set.heldout], tokens, seed=s.seed
+            loaded.tokenizer,
+            [row[:prompt] for row in sample_set.heldout],
+            tokens,
+            seed=s.seed,
+            text=[row[prompt : prompt + lead] for row in sample_set.heldout],
         )
 
     refits = Refits(stats, art) if stats is not None else None
@@ -547,6 +556,7 @@ def run_verify(settings: VerifySettings) -> VerifyResult:
             "task": "associative recall",
             "pairs": recall.n_pairs,
             "queries": recall.num_queries,
+            "text_tokens": lead,  # held-out text decoded before the pairs
             "full_state_accuracy": full,
             "applicable": applicable,
         }
