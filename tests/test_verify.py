@@ -15,7 +15,14 @@ from sketchcal.artifact import config_fingerprint, convert
 from sketchcal.errors import SketchcalError
 from sketchcal.models.loading import load_model
 from sketchcal.verify import verify
-from sketchcal.verify.metrics import kl_per_token, nll_per_token, percentile
+from sketchcal.verify.metrics import (
+    LENGTH_BUCKETS,
+    TokenMetrics,
+    kl_per_token,
+    length_edges,
+    nll_per_token,
+    percentile,
+)
 from sketchcal.verify.retrieval import build_recall, recall_hits
 
 WINDOW = 8
@@ -56,7 +63,7 @@ def test_verify_end_to_end(artifact, loaded, tmp_path):
         device="cpu",
         progress=False,
     )
-    for name in ("verify.json", "report.md", "kl_by_position.png", "error_by_rank.png"):
+    for name in ("verify.json", "report.md", "kl_by_position.png", "kl_by_length.png", "error_by_rank.png"):
         assert (out / name).is_file(), name
     data = json.loads((out / "verify.json").read_text())
     names = [c["name"] for c in data["configs"]]
@@ -80,6 +87,8 @@ def test_verify_end_to_end(artifact, loaded, tmp_path):
     assert "sketch · pca basis · adaptive map" not in names
     assert rep.kl_mean < 1e-10 and rep.top1_agreement == 1.0 and max(rep.read_error.values()) == 0.0
     assert sk.kl_mean > 0 and min(sk.read_error.values()) > 0 and len(sk.kl_by_position) == WINDOW
+    # 3 windows of decoded tokens in 8 equal spans: their mean is the mean KL
+    assert len(sk.kl_by_length) == 8 and math.isclose(sum(sk.kl_by_length) / 8, sk.kl_mean, rel_tol=1e-9)
     assert set(sk.read_error) == {s.layer for s in loaded.spec.layers}
     # traffic: the byte model's number for the artifact's ranks, as convert reported it
     cfg = json.loads((artifact / "art" / "config.json").read_text())["sketch_config"]
@@ -168,6 +177,15 @@ def test_metrics_against_torch():
     assert torch.allclose(nll_per_token(b, t).flatten(), nll)
     v = torch.rand(1000, generator=g, dtype=torch.float64)
     assert math.isclose(percentile(v, 0.99), float(np.quantile(v.numpy(), 0.99)))
+    # KL along the sequence: two batches of 7 decoded positions in spans [0, 2), [2, 4), [4, 7)
+    meter = TokenMetrics(window=4)
+    pos = torch.arange(7) % 4 + 1
+    meter.add(a[:3], b[:3], t[:3], pos)
+    meter.add(a[3:], b[3:], t[3:], pos)
+    assert length_edges(7, 3) == [0, 2, 4, 7] and length_edges(2, 8) == [0, 1, 2]
+    spans = [want[:, lo:hi].mean().item() for lo, hi in ((0, 2), (2, 4), (4, 7))]
+    assert np.allclose(meter.by_length(3), spans)
+    assert len(meter.summary()["kl_by_length"]) == min(7, LENGTH_BUCKETS)
 
 
 def test_recall_task_is_well_formed(loaded):

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -39,6 +40,17 @@ def percentile(values: Tensor, q: float) -> float:
     return float(torch.quantile(values.double(), q))
 
 
+LENGTH_BUCKETS = 8  # spans of the decoded positions that KL is reported over (verify's plot)
+
+
+def length_edges(tokens: int, buckets: int = LENGTH_BUCKETS) -> list[int]:
+    """Edges ``[0, …, tokens]`` of ``min(buckets, tokens)`` spans of equal length (the last one
+    takes the remainder)."""
+    n = max(1, min(buckets, tokens))
+    step = tokens // n
+    return [i * step for i in range(n)] + [tokens]
+
+
 @dataclass
 class TokenMetrics:
     """Running next-token metrics of one configuration over the decoded positions."""
@@ -49,6 +61,7 @@ class TokenMetrics:
     nll: list[Tensor] = field(default_factory=list)
     kl_pos_sum: Tensor | None = None
     kl_pos_count: Tensor | None = None
+    kl_rows: list[Tensor] = field(default_factory=list)  # [B, T] per batch
 
     def add(self, logits_ref: Tensor, logits: Tensor, targets: Tensor, positions: Tensor) -> None:
         """One batch: logits [B, T, vocab], targets [B, T], positions [T] (window position 1..L)."""
@@ -58,6 +71,7 @@ class TokenMetrics:
             agrees.append((logits_ref[b].argmax(-1) == logits[b].argmax(-1)).cpu())
             nlls.append(nll_per_token(logits[b], targets[b]).cpu())
         kl = torch.stack(kls)
+        self.kl_rows.append(kl)
         self.kl.append(kl.flatten())
         self.agree.append(torch.stack(agrees).flatten())
         self.nll.append(torch.stack(nlls).flatten())
@@ -82,7 +96,18 @@ class TokenMetrics:
             "top1_agreement": float(agree.double().mean()) if agree.numel() else math.nan,
             "perplexity": math.exp(float(nll.mean())) if nll.numel() else math.nan,
             "kl_by_position": by_pos,
+            "kl_by_length": self.by_length(),
         }
+
+    def by_length(self, buckets: int = LENGTH_BUCKETS) -> list[float]:
+        """Mean KL over each of ``buckets`` equal spans of the decoded positions (the last span takes
+        the remainder): where in the sequence the error is; late positions, where the states are
+        full, usually carry more."""
+        if not self.kl_rows:
+            return []
+        kl = torch.cat(self.kl_rows)  # [N, T]
+        edges = length_edges(kl.shape[1], buckets)
+        return [float(kl[:, a:b].mean()) for a, b in itertools.pairwise(edges)]
 
 
 class ReadErrorMeter:

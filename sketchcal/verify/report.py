@@ -1,6 +1,7 @@
 """The verify report: a rich table, ``verify.json``, ``report.md`` and PNG plots.
 
-Plots (matplotlib, Agg): ``kl_by_position.png`` — mean KL(standard ‖ mode) against the token's
+Plots (matplotlib, Agg): ``kl_by_length.png`` — mean KL of the sketch rows over spans of the decoded
+positions; ``kl_by_position.png`` — mean KL(standard ‖ mode) against the token's
 position in its window (p = L is the exact flush read); ``error_by_rank.png`` — per layer, the
 measured relative read error against the layer's mean rank, for every state-basis sketch run (the
 artifact's and the rank sweep).
@@ -8,6 +9,7 @@ artifact's and the rank sweep).
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -176,6 +178,26 @@ def _plot_kl(result: VerifyResult, path: Path) -> None:
     _save(fig, path)
 
 
+def _plot_kl_length(result: VerifyResult, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    from sketchcal.verify.metrics import length_edges
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    shown = [c for c in result.configs if c.mode == "sketch" and c.group != "rank sweep" and c.kl_by_length]
+    for i, c in enumerate(shown):
+        edges = length_edges(result.tokens, len(c.kl_by_length))
+        mids = [(a + b) / 2 for a, b in itertools.pairwise(edges)]
+        ax.plot(mids, c.kl_by_length, ("-", "--", ":", "-.")[i % 4], marker="o", ms=3, label=c.name)
+    ax.set_xlabel("decoded position in the sequence (span midpoints)")
+    ax.set_ylabel("mean KL(standard ‖ config), nats")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title("next-token KL along the sequence")
+    _save(fig, path)
+
+
 def _plot_error_rank(result: VerifyResult, path: Path) -> None:
     import matplotlib.pyplot as plt
 
@@ -222,13 +244,19 @@ def write_report(result: VerifyResult, out: Path, plots: bool = True) -> dict[st
     plot_files: dict[str, str] = {}
     if plots:
         _plot_kl(result, out / "kl_by_position.png")
+        _plot_kl_length(result, out / "kl_by_length.png")
         _plot_error_rank(result, out / "error_by_rank.png")
         plot_files = {
             "KL by window position": "kl_by_position.png",
+            "KL along the sequence": "kl_by_length.png",
             "read error by rank": "error_by_rank.png",
         }
         files.update(
-            {"kl_plot": str(out / "kl_by_position.png"), "rank_plot": str(out / "error_by_rank.png")}
+            {
+                "kl_plot": str(out / "kl_by_position.png"),
+                "length_plot": str(out / "kl_by_length.png"),
+                "rank_plot": str(out / "error_by_rank.png"),
+            }
         )
     files["json"] = str(out / "verify.json")
     files["markdown"] = str(out / "report.md")

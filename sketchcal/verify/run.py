@@ -88,6 +88,7 @@ class ConfigResult:
     top1_agreement: float
     perplexity: float
     kl_by_position: list[float]
+    kl_by_length: list[float]  # mean KL over spans of the decoded positions (VerifyResult.length_edges)
     read_error: dict[int, float]  # per layer, Σ‖Δ‖²/Σ‖exact‖² of the non-flush reads
     retrieval_accuracy: float | None
     traffic: dict[str, float]
@@ -532,6 +533,7 @@ def run_verify(settings: VerifySettings) -> VerifyResult:
                 top1_agreement=summary["top1_agreement"],
                 perplexity=summary["perplexity"],
                 kl_by_position=summary["kl_by_position"],
+                kl_by_length=summary["kl_by_length"],
                 read_error=meters[c.name].per_layer(),
                 retrieval_accuracy=acc,
                 traffic=traffic(
