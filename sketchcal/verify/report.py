@@ -184,7 +184,9 @@ def _plot_kl_length(result: VerifyResult, path: Path) -> None:
     from sketchcal.verify.metrics import length_edges
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    shown = [c for c in result.configs if c.mode == "sketch" and c.group != "rank sweep" and c.kl_by_length]
+    main = result.config("sketch")
+    budget = main.budget  # the artifact's own budget: its rows and ablations
+    shown = [c for c in result.configs if c.mode == "sketch" and c.budget == budget and c.kl_by_length]
     for i, c in enumerate(shown):
         edges = length_edges(result.tokens, len(c.kl_by_length))
         mids = [(a + b) / 2 for a, b in itertools.pairwise(edges)]
@@ -194,7 +196,7 @@ def _plot_kl_length(result: VerifyResult, path: Path) -> None:
     ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    ax.set_title("next-token KL along the sequence")
+    ax.set_title(f"next-token KL along the sequence, mean rank {main.mean_rank:.1f}")
     _save(fig, path)
 
 
