@@ -56,12 +56,11 @@ class TokenMetrics:
     """Running next-token metrics of one configuration over the decoded positions."""
 
     window: int
-    kl: list[Tensor] = field(default_factory=list)
+    kl: list[Tensor] = field(default_factory=list)  # [B, T] per batch
     agree: list[Tensor] = field(default_factory=list)
     nll: list[Tensor] = field(default_factory=list)
     kl_pos_sum: Tensor | None = None
     kl_pos_count: Tensor | None = None
-    kl_rows: list[Tensor] = field(default_factory=list)  # [B, T] per batch
 
     def add(self, logits_ref: Tensor, logits: Tensor, targets: Tensor, positions: Tensor) -> None:
         """One batch: logits [B, T, vocab], targets [B, T], positions [T] (window position 1..L)."""
@@ -71,8 +70,7 @@ class TokenMetrics:
             agrees.append((logits_ref[b].argmax(-1) == logits[b].argmax(-1)).cpu())
             nlls.append(nll_per_token(logits[b], targets[b]).cpu())
         kl = torch.stack(kls)
-        self.kl_rows.append(kl)
-        self.kl.append(kl.flatten())
+        self.kl.append(kl)
         self.agree.append(torch.stack(agrees).flatten())
         self.nll.append(torch.stack(nlls).flatten())
         idx = positions.cpu().long() - 1
@@ -83,7 +81,7 @@ class TokenMetrics:
         self.kl_pos_count.index_add_(0, idx, torch.full_like(idx, kl.shape[0], dtype=torch.float64))
 
     def summary(self) -> dict[str, float | list[float]]:
-        kl = torch.cat(self.kl) if self.kl else torch.zeros(0, dtype=torch.float64)
+        kl = torch.cat(self.kl).flatten() if self.kl else torch.zeros(0, dtype=torch.float64)
         agree = torch.cat(self.agree) if self.agree else torch.zeros(0, dtype=torch.bool)
         nll = torch.cat(self.nll) if self.nll else torch.zeros(0, dtype=torch.float64)
         by_pos = []
@@ -103,9 +101,9 @@ class TokenMetrics:
         """Mean KL over each of ``buckets`` equal spans of the decoded positions (the last span takes
         the remainder): where in the sequence the error is; late positions, where the states are
         full, usually carry more."""
-        if not self.kl_rows:
+        if not self.kl:
             return []
-        kl = torch.cat(self.kl_rows)  # [N, T]
+        kl = torch.cat(self.kl)  # [N, T]
         edges = length_edges(kl.shape[1], buckets)
         return [float(kl[:, a:b].mean()) for a, b in itertools.pairwise(edges)]
 

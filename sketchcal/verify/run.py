@@ -88,7 +88,7 @@ class ConfigResult:
     top1_agreement: float
     perplexity: float
     kl_by_position: list[float]
-    kl_by_length: list[float]  # mean KL over spans of the decoded positions (VerifyResult.length_edges)
+    kl_by_length: list[float]  # mean KL over equal spans of the decoded positions (metrics.length_edges)
     read_error: dict[int, float]  # per layer, Σ‖Δ‖²/Σ‖exact‖² of the non-flush reads
     retrieval_accuracy: float | None
     traffic: dict[str, float]
