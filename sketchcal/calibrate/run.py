@@ -15,7 +15,7 @@ import torch
 
 import sketchcal
 from sketchcal.calibrate.distributed import World, init_world
-from sketchcal.calibrate.fisher import output_weights
+from sketchcal.calibrate.fisher import OutputWeights
 from sketchcal.calibrate.plots import spectra_plot
 from sketchcal.calibrate.preflight import check_output, check_resume
 from sketchcal.calibrate.stats import LayerStats
@@ -116,6 +116,7 @@ class _Runner:
             for shape in loaded.spec.layers
         }
         self.counters = _Counters()
+        self.output_weights = OutputWeights(loaded.model, loaded.spec)
         tok = loaded.tokenizer
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.eos_id = tok.eos_token_id
@@ -167,8 +168,8 @@ class _Runner:
 
         _sync(dev)
         t0 = time.perf_counter()
-        targets = torch.Generator(device=seq.device).manual_seed(s.seed * 1_000_003 + batch.index)
-        gamma = output_weights(model, self.loaded.spec, seq, valid, prompt_end, targets)
+        targets = torch.Generator().manual_seed(s.seed * 1_000_003 + batch.index)
+        gamma = self.output_weights(seq, valid, prompt_end, targets)
         _sync(dev)
         self.counters.fisher_seconds += time.perf_counter() - t0
         t0 = time.perf_counter()

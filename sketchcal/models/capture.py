@@ -213,10 +213,12 @@ class OutputCapture(_MixerPatch):
     """Context manager collecting the pre-gate output [B, T, H, V] of every recurrent-mixer call of
     ``model``, by layer, as the tensor the model goes on computing with (so that gradients with
     respect to it can be taken). The mixers must not gate inside the kernel function (every
-    supported architecture passes ``z=None``)."""
+    supported architecture passes ``z=None``). ``reference``: call the torch references on a GPU
+    too, for a kernel library whose backward fails there."""
 
-    def __init__(self, model: nn.Module, spec: ModelSpec):
+    def __init__(self, model: nn.Module, spec: ModelSpec, reference: bool = False):
         super().__init__(model, spec)
+        self.reference = reference  # the torch references on every device (their backward is plain torch)
         self.outputs: dict[int, list[Tensor]] = {}
 
     def __enter__(self) -> OutputCapture:
@@ -227,7 +229,9 @@ class OutputCapture(_MixerPatch):
 
         @functools.wraps(reference)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            result = pick_implementation(original, reference, [*args, *kwargs.values()])(*args, **kwargs)
+            args_ = [*args, *kwargs.values()]
+            impl = reference if self.reference else pick_implementation(original, reference, args_)
+            result = impl(*args, **kwargs)
             if self._layer is not None:
                 self.outputs.setdefault(self._layer, []).append(adapter.pre_gate_output(kind, result))
             return result

@@ -15,6 +15,7 @@ import torch
 
 from sketchcal.kernels import dispatch
 from sketchcal.kernels.common import reference as ref
+from sketchcal.kernels.common import triton_helpers
 from sketchcal.kernels.common.pool import SketchTables, random_sketch, rank_spread
 from sketchcal.kernels.common.testing import random_inputs, random_pool
 
@@ -949,7 +950,7 @@ def test_window_in_cuda_graph_with_dependent_launch_gpu(family, monkeypatch):
     xs = [random_inputs(family, batch, 1, h, g, kd, vd, device="cuda", generator=gen) for _ in range(cap)]
     runs = {}
     for pdl in (False, True):
-        monkeypatch.setattr(dispatch, "USE_PDL", pdl)
+        monkeypatch.setattr(triton_helpers, "USE_PDL", pdl)
         p, outs = _clone(pool), [torch.full_like(x.w, float("nan")) for x in xs]
         if pdl:
             _window(family, _clone(pool), tables, slots, xs, [o.clone() for o in outs])  # compile first
