@@ -828,32 +828,6 @@ def _log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def _progress(enabled: bool) -> Any:
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    from sketchcal.ui import console
-
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]}"),
-        TextColumn("lr {task.fields[lr]}"),
-        TextColumn("{task.fields[tps]} tok/s"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        console=console,
-        disable=not enabled,
-    )
-
-
 def train_loop(
     recipe: Recipe,
     model: nn.Module,
@@ -906,7 +880,10 @@ def train_loop(
     probe_start = start
     stopped_by_budget = False
     step = 0
-    with _progress(progress) as bar:
+    from sketchcal.ui import progress_bar
+
+    fields = ("loss {task.fields[loss]}", "lr {task.fields[lr]}", "{task.fields[tps]} tok/s")
+    with progress_bar(progress, fields) as bar:
         task = bar.add_task(recipe.name, total=total, loss="-", lr="-", tps="-")
         while step < total:
             lr = learning_rate(step, total, o)

@@ -117,8 +117,10 @@ def _clock(seconds: float) -> str:
 
 
 @contextlib.contextmanager
-def progress_bar(enabled: bool = True) -> Iterator[Progress]:
-    """A rich progress bar on stderr; a :class:`LogProgress` when stderr is not a terminal."""
+def progress_bar(enabled: bool = True, fields: tuple[str, ...] = ()) -> Iterator[Progress]:
+    """A rich progress bar on stderr; a :class:`LogProgress` when stderr is not a terminal.
+    ``fields``: text columns after the count, rich templates of the tasks' fields
+    (``"loss {task.fields[loss]}"``)."""
     if enabled and not console.is_terminal:
         yield LogProgress(console)  # type: ignore[misc]
         return
@@ -126,6 +128,7 @@ def progress_bar(enabled: bool = True) -> Iterator[Progress]:
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
+        *(TextColumn(f) for f in fields),
         TimeElapsedColumn(),
         TimeRemainingColumn(),
         console=console,

@@ -11,6 +11,9 @@ from torch import Tensor, nn
 
 from sketchcal.kernels.common import StepInputs
 
+CallArgs = dict[str, Any]  # a kernel function call's arguments by name (defaults applied)
+Converted = tuple[StepInputs, Tensor | None]  # the call's kernel inputs and initial state
+
 
 @dataclass(frozen=True)
 class LayerShape:
@@ -87,13 +90,8 @@ class FamilyAdapter(Protocol):
     def layer_shape(self, mixer: nn.Module) -> LayerShape: ...
 
     def inputs(
-        self,
-        kind: str,
-        args: dict[str, Any],
-        dtype: torch.dtype = torch.float64,
-        *,
-        step_dynamics: bool = False,
-    ) -> tuple[StepInputs, Tensor | None]:
+        self, kind: str, args: CallArgs, dtype: torch.dtype = torch.float64, *, step_dynamics: bool = False
+    ) -> Converted:
         """``(inputs, initial_state)``; the state is key-major [B, H, K, V] ``dtype``, or None.
 
         ``step_dynamics``: convert a chunked call's tokens as the one-token function would compute

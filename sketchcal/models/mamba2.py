@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sketchcal.kernels.common import StepInputs
-from sketchcal.models.base import LayerShape, first_output
+from sketchcal.models.base import CallArgs, Converted, LayerShape, first_output
 
 
 class Mamba2Adapter:
@@ -36,13 +36,8 @@ class Mamba2Adapter:
         )
 
     def inputs(
-        self,
-        kind: str,
-        args: dict[str, Any],
-        dtype: torch.dtype = torch.float64,
-        *,
-        step_dynamics: bool = False,
-    ) -> tuple[StepInputs, Tensor | None]:
+        self, kind: str, args: CallArgs, dtype: torch.dtype = torch.float64, *, step_dynamics: bool = False
+    ) -> Converted:
         if kind == "prefill":
             x, dt, A, B, C = (args[n] for n in ("hidden_states", "dt", "A", "B", "C"))
             D, state = args.get("D"), args.get("initial_states")
