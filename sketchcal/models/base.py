@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from sketchcal.kernels.common import StepInputs
 
-CallArgs = dict[str, Any]  # a kernel function call's arguments by name (defaults applied)
+ArgMap = dict[str, Any]  # a kernel function call's arguments by name (defaults applied)
 Converted = tuple[StepInputs, Tensor | None]  # the call's kernel inputs and initial state
 
 
@@ -90,7 +90,7 @@ class FamilyAdapter(Protocol):
     def layer_shape(self, mixer: nn.Module) -> LayerShape: ...
 
     def inputs(
-        self, kind: str, args: CallArgs, dtype: torch.dtype = torch.float64, *, step_dynamics: bool = False
+        self, kind: str, args: ArgMap, dtype: torch.dtype = torch.float64, *, step_dynamics: bool = False
     ) -> Converted:
         """``(inputs, initial_state)``; the state is key-major [B, H, K, V] ``dtype``, or None.
 

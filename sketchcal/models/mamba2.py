@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sketchcal.kernels.common import StepInputs
-from sketchcal.models.base import CallArgs, Converted, LayerShape, first_output
+from sketchcal.models.base import ArgMap, Converted, LayerShape, first_output
 
 
 class Mamba2Adapter:
@@ -36,7 +36,7 @@ class Mamba2Adapter:
         )
 
     def inputs(
-        self, kind: str, args: CallArgs, dtype: torch.dtype = torch.float64, *, step_dynamics: bool = False
+        self, kind: str, args: ArgMap, dtype: torch.dtype = torch.float64, *, step_dynamics: bool = False
     ) -> Converted:
         if kind == "prefill":
             x, dt, A, B, C = (args[n] for n in ("hidden_states", "dt", "A", "B", "C"))
