@@ -94,3 +94,12 @@ def test_a_failure_outside_the_kernel_packages_is_raised(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="wrong results on this GPU"):
         sketchcal.calibrate("builtin:tiny-gdn", out=tmp_path / "s", **SMALL)
     assert not (tmp_path / "s" / "stats.safetensors").exists()
+
+
+def test_draws_do_not_depend_on_the_cdf_slices(monkeypatch):
+    from sketchcal.calibrate import fisher
+
+    logp = torch.log_softmax(torch.randn(5, 33, 300, generator=torch.Generator().manual_seed(2)), -1)
+    whole = draw_targets(logp, torch.Generator().manual_seed(3))
+    monkeypatch.setattr(fisher, "_CDF_ELEMENTS", 7 * 300)  # 7 rows per slice, the last one short
+    assert torch.equal(draw_targets(logp, torch.Generator().manual_seed(3)), whole)
