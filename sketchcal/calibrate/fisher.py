@@ -87,7 +87,8 @@ class OutputWeights:
                 raise
             from sketchcal.ui import console
 
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            text = str(exc).strip()
+            first = text.splitlines()[0] if text else type(exc).__name__
             console.print(
                 f"[yellow]output weights: a kernel's backward failed ({first}); "
                 "using the torch references for the gradients (slower, same result)[/]"

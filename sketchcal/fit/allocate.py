@@ -223,21 +223,32 @@ def _uniform(
     bytes_per_token: float | None,
     window: int,
 ) -> list[int]:
-    """The option index of every head for the largest rank all heads can share within the budget."""
-    shared = sorted({m for f in fits for m in f.ranks if m}, reverse=True)
+    """:func:`_uniform_choice`, refusing a mean rank that is not a rank every head can take."""
     if rank is not None:
-        exact = [m for m in shared if m == rank]
-        if not exact and rank < max(f.key_dim for f in fits):
+        shared = {m for f in fits for m in f.ranks if m}
+        if rank not in shared and rank < max(f.key_dim for f in fits):
             supported = ", ".join(str(m) for m in SUPPORTED_RANKS if m)
             raise SketchcalError(
                 f"--allocation uniform needs a mean rank every head can take; {rank:g} is not one "
                 f"(supported ranks: {supported}); choose one of them"
             )
-    for m in [0, *shared]:  # dense first: it fits only when the budget covers every head dense
+    choice = _uniform_choice(fits, costs, owners, budget)
+    if choice is None:
+        raise _infeasible(rank, bytes_per_token, sum(min(c) for c in costs), len(costs), window)
+    return choice
+
+
+def _uniform_choice(
+    fits: list[LayerFit], costs: list[list[int]], owners: list[tuple[int, int]], budget: int
+) -> list[int] | None:
+    """The option index of every head for the largest rank all heads share within ``budget``
+    (a head whose candidates stop below that rank reads densely), dense first: it fits only when
+    the budget covers every head dense. None when not even the smallest rank fits."""
+    for m in [0, *sorted({m for f in fits for m in f.ranks if m}, reverse=True)]:
         choice = [fits[li].ranks.index(m) if m in fits[li].ranks else 0 for li, _ in owners]
         if sum(c[j] for c, j in zip(costs, choice, strict=True)) <= budget:
             return choice
-    raise _infeasible(rank, bytes_per_token, sum(min(c) for c in costs), len(costs), window)
+    return None
 
 
 def _uniform_if_no_worse(
@@ -256,13 +267,7 @@ def _uniform_if_no_worse(
     moments when the held-out windows chose (none otherwise: no guard)."""
     if selected_on != "held-out windows" or any(f.heldout_predicted is None for f in fits):
         return None
-    uniform = None
-    for m in [0, *sorted({m for f in fits for m in f.ranks if m}, reverse=True)]:  # dense first
-        if all(m in f.ranks for f in fits):
-            option = [fits[li].ranks.index(m) for li, _ in owners]
-            if sum(c[j] for c, j in zip(costs, option, strict=True)) <= budget:
-                uniform = option
-                break
+    uniform = _uniform_choice(fits, costs, owners, budget)
     if uniform is None or uniform == choice:
         return None
 

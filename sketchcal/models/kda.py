@@ -13,8 +13,14 @@ import torch
 from torch import Tensor, nn
 
 from sketchcal.kernels.common import StepInputs
-from sketchcal.models import base
-from sketchcal.models.base import LayerShape, delta_rule_terms, first_output, fused_delta_rule_inputs
+from sketchcal.models.base import (
+    ArgMap,
+    Converted,
+    LayerShape,
+    delta_rule_terms,
+    first_output,
+    fused_delta_rule_inputs,
+)
 
 
 def _l2norm(x: Tensor) -> Tensor:
@@ -31,8 +37,8 @@ class KdaAdapter:
         return LayerShape(mixer.layer_idx, mixer.num_heads, mixer.num_heads, mixer.head_dim, mixer.head_dim)
 
     def inputs(
-        self, kind: str, args: base.ArgMap, dtype: torch.dtype = torch.float64, *, step_dynamics: bool = False
-    ) -> base.Converted:  # both functions compute the same dynamics
+        self, kind: str, args: ArgMap, dtype: torch.dtype = torch.float64, *, step_dynamics: bool = False
+    ) -> Converted:  # both functions compute the same dynamics
         q, k, w, beta, decay, state = delta_rule_terms(args, _l2norm, dtype)
         q = q * (1 / q.shape[-1] ** 0.5)
         return StepInputs(k=k.to(dtype), q=q.to(dtype), w=w, decay=decay, beta=beta), state
