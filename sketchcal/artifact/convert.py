@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -114,19 +114,49 @@ def convert(stats_dir: str | Path, **options: Any) -> ConvertResult:
     fit = fit_sketch(
         inputs.stats,
         inputs.traffic,
+        SketchChoices.of(settings),
         rank=settings.rank,
         bytes_per_token=settings.bytes_per_token,
-        basis=settings.basis,
-        coef=settings.coef,
-        shrinkage=settings.shrinkage,
-        allocation=settings.allocation,
-        seed=settings.seed,
         progress=settings.progress,
     )
     return write_artifact(inputs, fit)
 
 
 convert.__signature__ = api_signature(ConvertSettings, "stats_dir")  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class SketchChoices:
+    """How a sketch is fitted and what its byte model counts, besides its budget: the fields of
+    ``sketch_config`` that :func:`fit_sketch` and :func:`sketch_section` take (docs/sketch-format.md)."""
+
+    basis: str = "state"  # state | pca | random
+    coef: str = "state"  # state (least-squares maps) | projection
+    shrinkage: str = "auto"  # an E estimator, or auto: the one with the lowest held-out predicted KL
+    allocation: str = "output"  # output (least predicted KL) | uniform
+    read_dtype: str = "float32"
+    buffer_dtype: str = "bfloat16"
+    seed: int = 0  # of the random-basis ablation
+
+    @classmethod
+    def of(cls, settings: Any) -> SketchChoices:
+        """The choices among ``settings``' fields (a :class:`ConvertSettings`)."""
+        return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})
+
+    @classmethod
+    def of_section(cls, section: dict[str, Any]) -> SketchChoices:
+        """The choices a written ``sketch_config`` section records (defaults where an older one is silent)."""
+        shrink = section.get("shrinkage")
+        traffic = section.get("traffic") or {}
+        default = cls()
+        return cls(
+            basis=section.get("basis", default.basis),
+            coef=section.get("coef", default.coef),
+            shrinkage=shrink.get("method", "auto") if isinstance(shrink, dict) else "auto",
+            allocation=section.get("allocation", default.allocation),
+            read_dtype=traffic.get("read_dtype", default.read_dtype),
+            buffer_dtype=traffic.get("buffer_dtype", default.buffer_dtype),
+        )
 
 
 @dataclass
@@ -287,42 +317,39 @@ def _output_bytes(stats: Stats, base: BaseModel, builtin: LoadedModel | None, we
 def fit_sketch(
     stats: Stats,
     traffic: list[TrafficModel],
+    choices: SketchChoices,
     *,
     rank: float | None = None,
     bytes_per_token: float | None = None,
-    basis: str = "state",
-    coef: str = "state",
-    shrinkage: str = "auto",
-    allocation: str = "output",
-    seed: int = 0,
     progress: bool = True,
 ) -> SketchFit:
     """Fit the bases of every layer of ``stats`` and allocate per-head ranks under one budget.
 
-    With ``shrinkage="auto"`` the layers are fitted once per E estimator and the one whose allocation
-    has the lowest held-out predicted KL is kept. ``allocation``: ``"output"`` (minimum predicted KL)
-    or ``"uniform"`` (:func:`~sketchcal.fit.allocate.allocate`). The result holds the sketch tensors as
-    they are stored, so it can be written (:func:`write_artifact`) or used in memory (``verify``'s
-    re-fits).
+    With ``choices.shrinkage="auto"`` the layers are fitted once per E estimator and the one whose
+    allocation has the lowest held-out predicted KL is kept. ``choices.allocation``: ``"output"``
+    (minimum predicted KL) or ``"uniform"`` (:func:`~sketchcal.fit.allocate.allocate`). The result
+    holds the sketch tensors as they are stored, so it can be written (:func:`write_artifact`) or used
+    in memory (``verify``'s re-fits).
     """
     from sketchcal.ui import progress_bar
 
-    methods = SHRINKAGE_METHODS if shrinkage == "auto" else (shrinkage,)
+    c = choices
+    methods = SHRINKAGE_METHODS if c.shrinkage == "auto" else (c.shrinkage,)
     best = None
     scores: dict[str, float | None] = {}
     with progress_bar(enabled=progress) as bar:
         task = bar.add_task("fitting bases", total=len(methods) * len(stats.layers))
         for meth in methods:
-            fits = fit_all(
-                stats, basis=basis, coef=coef, shrinkage=meth, seed=seed, on_layer=lambda _: bar.advance(task)
-            )
-            alloc = allocate(fits, traffic, rank=rank, bytes_per_token=bytes_per_token, allocation=allocation)
+            advance = lambda _: bar.advance(task)  # noqa: E731
+            fits = fit_all(stats, basis=c.basis, coef=c.coef, shrinkage=meth, seed=c.seed, on_layer=advance)
+            budget = dict(rank=rank, bytes_per_token=bytes_per_token)
+            alloc = allocate(fits, traffic, **budget, allocation=c.allocation)
             score = alloc.heldout_score
             scores[meth] = score
             if best is None or (score is not None and (best[3] is None or score < best[3])):
                 best = (fits, alloc, meth, score)
     fits, alloc, meth, score = best
-    if shrinkage == "auto" and score is None:
+    if c.shrinkage == "auto" and score is None:
         alloc.notes.append(f"no held-out data to choose the E shrinkage; used {meth}")
     notes = list(alloc.notes)
     if any(f.measured is None for f in fits):
@@ -342,20 +369,12 @@ def fit_sketch(
 
 
 def sketch_section(
-    stats: Stats,
-    fit: SketchFit,
-    *,
-    basis: str,
-    coef: str,
-    read_dtype: str,
-    buffer_dtype: str,
-    base_id: str | None,
-    base_revision: str | None,
-    weights: str,
-    weights_fingerprint: str | None = None,
+    stats: Stats, fit: SketchFit, choices: SketchChoices, base_model: dict[str, Any]
 ) -> dict[str, Any]:
     """The ``sketch_config`` section of config.json for ``fit`` (docs/sketch-format.md), without the
-    calibration provenance and the file hashes, which only a written artifact records."""
+    calibration provenance and the file hashes, which only a written artifact records.
+
+    ``base_model``: ``{"id", "revision", "weights", "weights_fingerprint"}`` of the base model."""
     alloc = fit.allocation
     summary = finite_json(
         {k: v for k, v in alloc.to_dict().items() if k not in ("layers", "notes", "budget")}
@@ -368,14 +387,9 @@ def sketch_section(
         "family": stats.family,
         "window": stats.window,
         "fingerprint": stats.fingerprint,
-        "base_model": {
-            "id": base_id,
-            "revision": base_revision,
-            "weights": weights,
-            "weights_fingerprint": weights_fingerprint,
-        },
-        "basis": basis,
-        "coef": coef,
+        "base_model": {k: base_model.get(k) for k in ("id", "revision", "weights", "weights_fingerprint")},
+        "basis": choices.basis,
+        "coef": choices.coef,
         "allocation": alloc.allocation,
         "shrinkage": {
             "method": fit.shrinkage,
@@ -385,7 +399,11 @@ def sketch_section(
             "heldout_kl": fit.shrinkage_scores,
         },
         "supported_ranks": list(SUPPORTED_RANKS),
-        "traffic": {"state_dtype": "float32", "read_dtype": read_dtype, "buffer_dtype": buffer_dtype},
+        "traffic": {
+            "state_dtype": "float32",
+            "read_dtype": choices.read_dtype,
+            "buffer_dtype": choices.buffer_dtype,
+        },
         "budget": alloc.budget,
         "summary": summary,
         "layers": [
@@ -413,18 +431,13 @@ def write_artifact(inputs: ConvertInputs, fit: SketchFit) -> ConvertResult:
     s, stats, base = inputs.settings, inputs.stats, inputs.base
     notes = [*inputs.notes, *fit.notes]
     alloc = fit.allocation
-    section = sketch_section(
-        stats,
-        fit,
-        basis=s.basis,
-        coef=s.coef,
-        read_dtype=s.read_dtype,
-        buffer_dtype=s.buffer_dtype,
-        base_id=base.id,
-        base_revision=base.revision,
-        weights=inputs.weights,
-        weights_fingerprint=inputs.base_weights_fingerprint,
-    )
+    base_model = {
+        "id": base.id,
+        "revision": base.revision,
+        "weights": inputs.weights,
+        "weights_fingerprint": inputs.base_weights_fingerprint,
+    }
+    section = sketch_section(stats, fit, SketchChoices.of(s), base_model)
     # Provenance: verify re-fits ablations and rank sweeps from these statistics.
     section["calibration"] = {"stats_dir": str(inputs.stats_dir.resolve())}
     with atomic_dir(s.out) as tmp:

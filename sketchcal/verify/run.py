@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sketchcal.artifact.convert import fit_sketch, sketch_section, traffic_models
+from sketchcal.artifact.convert import SketchChoices, fit_sketch, sketch_section, traffic_models
 from sketchcal.artifact.sketch import SketchArtifact, check_base_weights, check_stats, read_sketch
 from sketchcal.errors import SketchcalError
 from sketchcal.fit.ranks import SUPPORTED_RANKS
@@ -184,44 +184,20 @@ class Refits:
 
     def __init__(self, stats: Stats, art: SketchArtifact):
         self.stats, self.art = stats, art
-        shrink = art.config.get("shrinkage", {})
-        self.shrinkage = shrink.get("method", "auto") if isinstance(shrink, dict) else "auto"
-        traffic_cfg = art.config.get("traffic", {})
-        self.read_dtype = traffic_cfg.get("read_dtype", "float32")
-        self.buffer_dtype = traffic_cfg.get("buffer_dtype", "bfloat16")
-        self.traffic = traffic_models(
-            stats.family, stats.layers, stats.window, self.read_dtype, self.buffer_dtype
-        )
+        self.choices = SketchChoices.of_section(art.config)
+        c = self.choices
+        self.traffic = traffic_models(stats.family, stats.layers, stats.window, c.read_dtype, c.buffer_dtype)
+        # the artifact's base model, its weights not written: the re-fits live in memory
+        self.base_model = {**(art.config.get("base_model") or {}), "weights": "reference"}
         self._done: dict[tuple[str, float, str], SketchArtifact] = {}
 
     def __call__(self, rank: float, basis: str, allocation: str = "output") -> SketchArtifact:
         """The sketch fitted at mean rank ``rank`` with ``basis`` and ``allocation``."""
         key = (basis, rank, allocation)
         if key not in self._done:
-            coef = self.art.config.get("coef", "state")
-            fit = fit_sketch(
-                self.stats,
-                self.traffic,
-                rank=rank,
-                basis=basis,
-                coef=coef,
-                shrinkage=self.shrinkage,
-                allocation=allocation,
-                progress=False,
-            )
-            base = self.art.config.get("base_model") or {}
-            section = sketch_section(
-                self.stats,
-                fit,
-                basis=basis,
-                coef=coef,
-                read_dtype=self.read_dtype,
-                buffer_dtype=self.buffer_dtype,
-                base_id=base.get("id"),
-                base_revision=base.get("revision"),
-                weights="reference",
-                weights_fingerprint=base.get("weights_fingerprint"),
-            )
+            choices = replace(self.choices, basis=basis, allocation=allocation)
+            fit = fit_sketch(self.stats, self.traffic, choices, rank=rank, progress=False)
+            section = sketch_section(self.stats, fit, choices, self.base_model)
             # no file behind it: the metadata holds what the runtime checks, the fingerprint
             self._done[key] = SketchArtifact(
                 config=section, metadata={"fingerprint": self.stats.fingerprint}, layers=fit.layers
