@@ -247,31 +247,27 @@ class Runtime:
         return reg
 
     def _new_state(self, layer: int, checkpoint: Tensor) -> Any:
+        common = dict(
+            window=self.window,
+            precision=self.precision,
+            tables=self.tables.get(layer),
+            layer=layer,
+            probe=self.probe,
+        )
         if self.backend == "triton":
             from sketchcal.runtime.kernel_state import make_kernel_state
 
+            groups = self.shapes[layer].groups
             return make_kernel_state(
                 self.mode,
                 self.spec.family,
                 checkpoint.float(),
-                groups=self.shapes[layer].groups,
-                window=self.window,
-                precision=self.precision,
-                tables=self.tables.get(layer),
+                groups=groups,
                 buffer_dtype=self.buffer_dtype,
-                layer=layer,
-                probe=self.probe,
+                **common,
             )
         return make_state(
-            self.mode,
-            self.spec.family,
-            checkpoint.float(),
-            window=self.window,
-            precision=self.precision,
-            tables=self.tables.get(layer),
-            sketch_map=self.sketch_map,
-            layer=layer,
-            probe=self.probe,
+            self.mode, self.spec.family, checkpoint.float(), sketch_map=self.sketch_map, **common
         )
 
     # ---- the patched call ------------------------------------------------------------------
