@@ -183,7 +183,7 @@ _K = KernelConfig
 # batch 256 among ``bench.TUNE_CANDIDATES`` (BENCHMARKS.md, "Decode kernels"), checked there by the
 # ``gpu`` tests with exactly these shapes.
 DEFAULT_CONFIGS: dict[tuple[str, str], KernelConfig] = {
-    ("standard", "mamba2"): _K("standard", 64, 4),
+    ("standard", "mamba2"): _K("standard", 64, 2),
     ("standard", "gdn"): _K("standard", 64, 4),
     ("standard", "kda"): _K("standard", 64, 4),
     ("replay", "mamba2"): _K("read", 64, 1, group=4, dense_rows=16),
