@@ -12,7 +12,7 @@ from test_runtime_triton import DEVICE, L, P, generate, ids_for, rel_max, tiny_m
 
 from sketchcal.cli import main
 from sketchcal.models import describe
-from sketchcal.runtime.e2e_bench import _summarise, random_artifact, state_work_removed
+from sketchcal.runtime.e2e_bench import _summarise, print_e2e, random_artifact, state_work_removed
 from sketchcal.runtime.graph_decode import GraphDecoder
 
 
@@ -70,6 +70,30 @@ def test_summary_ratios_and_bound_share():
     assert s["vs_generate"]["sketch"] == pytest.approx(5.0)
     assert s["vs_own"]["standard"] == pytest.approx(1.0)
     assert s["sketch_share_of_bound_gain"] == pytest.approx(10.0 / 12.5)
+
+
+def test_table_without_a_generate_row():
+    """A batch measured without ``generate`` (it runs out of memory first at large batches) shows "–"
+    in its "× generate" column, not a number; a row that failed says why."""
+    from rich.console import Console
+
+    rows = [
+        dict(batch=8, mode=m, ms_per_step=ms, prefill_s=1.0, peak_gib=2.0, tokens_per_s=8e3 / ms)
+        for m, ms in (("own", 30.0), ("standard", 20.0), ("sketch", 15.0), ("bound", 14.0))
+    ]
+    rows.append(dict(batch=8, mode="replay", error="out of GPU memory"))
+    result = dict(
+        model="m", family="gdn", recurrent_layers=3, layers=4, dtype="bf16", prompt=4, new=40, window=16,
+        mean_rank=8.0, device="cpu", rows=rows,
+    )  # fmt: skip
+    _summarise(result)
+    console = Console(record=True, width=200)
+    print_e2e(result, console)
+    text = console.export_text()
+    assert "nan" not in text
+    sketch = next(line for line in text.splitlines() if " sketch " in line)
+    assert "– " in sketch and "2.00" in sketch  # no × generate; × own = 30 / 15
+    assert "out of GPU memory" in text and "the sketch gets 83% of the Amdahl-bound gain" in text
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="checks the refusal without a GPU")

@@ -268,6 +268,12 @@ def _summarise(result: dict) -> None:
     result["summary"] = summary
 
 
+def _ratio(summary: dict, key: str, mode: str) -> str:
+    """A speed-up cell: "–" where the batch has no row of the mode it is relative to."""
+    value = summary.get(key, {}).get(mode)
+    return "–" if value is None else f"{value:.2f}"
+
+
 def print_e2e(result: dict, console=None) -> None:
     """A rich table of :func:`run_e2e`'s rows."""
     from rich.console import Console
@@ -303,10 +309,10 @@ def print_e2e(result: dict, console=None) -> None:
             f"{r['prefill_s']:.2f}",
             f"{r['ms_per_step']:.2f}",
             f"{r['tokens_per_s']:,.0f}",
-            f"{s.get('vs_generate', {}).get(r['mode'], float('nan')):.2f}",
-            f"{s.get('vs_own', {}).get(r['mode'], float('nan')):.2f}",
+            _ratio(s, "vs_generate", r["mode"]),
+            _ratio(s, "vs_own", r["mode"]),
             f"{r['peak_gib']:.1f}",
-            f"{r.get('same_tokens_as_standard', float('nan')):.1%}",
+            f"{r['same_tokens_as_standard']:.1%}" if "same_tokens_as_standard" in r else "–",
         )
     console.print(table)
     for s in result["summary"]:
