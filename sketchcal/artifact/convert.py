@@ -152,7 +152,9 @@ class SketchChoices:
         return cls(
             basis=section.get("basis", default.basis),
             coef=section.get("coef", default.coef),
-            shrinkage=shrink.get("method", "auto") if isinstance(shrink, dict) else "auto",
+            shrinkage=shrink.get("method", default.shrinkage)
+            if isinstance(shrink, dict)
+            else default.shrinkage,
             allocation=section.get("allocation", default.allocation),
             read_dtype=traffic.get("read_dtype", default.read_dtype),
             buffer_dtype=traffic.get("buffer_dtype", default.buffer_dtype),
@@ -340,10 +342,17 @@ def fit_sketch(
     with progress_bar(enabled=progress) as bar:
         task = bar.add_task("fitting bases", total=len(methods) * len(stats.layers))
         for meth in methods:
-            advance = lambda _: bar.advance(task)  # noqa: E731
-            fits = fit_all(stats, basis=c.basis, coef=c.coef, shrinkage=meth, seed=c.seed, on_layer=advance)
-            budget = dict(rank=rank, bytes_per_token=bytes_per_token)
-            alloc = allocate(fits, traffic, **budget, allocation=c.allocation)
+            fits = fit_all(
+                stats,
+                basis=c.basis,
+                coef=c.coef,
+                shrinkage=meth,
+                seed=c.seed,
+                on_layer=lambda _: bar.advance(task),
+            )
+            alloc = allocate(
+                fits, traffic, rank=rank, bytes_per_token=bytes_per_token, allocation=c.allocation
+            )
             score = alloc.heldout_score
             scores[meth] = score
             if best is None or (score is not None and (best[3] is None or score < best[3])):

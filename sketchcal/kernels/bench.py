@@ -74,7 +74,7 @@ READ_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float
 # the most an SM holds) are tried.
 _K = KernelConfig
 TUNE_CANDIDATES: dict[str, dict[str, list[KernelConfig]]] = {
-    # [K, 64] state tiles; 16 other shapes (block_v 16-128, 1-8 warps, register caps) were slower
+    # [K, 64] state tiles; 20 other shapes (block_v 16-128, 1-8 warps, register caps) were slower
     "standard": {f: [_K("standard", 64, 2), _K("standard", 64, 4)] for f in ("mamba2", "gdn", "kda")},
     "replay": {
         "mamba2": [_K("read", 64, 1, maxnreg=96), _K("read", 64, 1, group=4, dense_rows=16)],

@@ -257,12 +257,11 @@ class Runtime:
         if self.backend == "triton":
             from sketchcal.runtime.kernel_state import make_kernel_state
 
-            groups = self.shapes[layer].groups
             return make_kernel_state(
                 self.mode,
                 self.spec.family,
                 checkpoint.float(),
-                groups=groups,
+                groups=self.shapes[layer].groups,
                 buffer_dtype=self.buffer_dtype,
                 **common,
             )
