@@ -74,8 +74,12 @@ READ_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float
 # the most an SM holds) are tried.
 _K = KernelConfig
 TUNE_CANDIDATES: dict[str, dict[str, list[KernelConfig]]] = {
-    # [K, 64] state tiles; 20 other shapes (block_v 16-128, 1-8 warps, register caps) were slower
-    "standard": {f: [_K("standard", 64, 2), _K("standard", 64, 4)] for f in ("mamba2", "gdn", "kda")},
+    # [16, K] tiles of a value-major state; key-major [K, BV] tiles (block_v 16-128, 1-8 warps,
+    # register caps) were slower in every family
+    "standard": {
+        f: [_K("standard", bv, nw) for bv, nw in ((8, 1), (8, 2), (16, 1), (16, 4), (16, 8))]
+        for f in ("mamba2", "gdn", "kda")
+    },
     "replay": {
         "mamba2": [_K("read", 64, 1, maxnreg=96), _K("read", 64, 1, group=4, dense_rows=16)],
         "gdn": [_K("read", 64, 1, group=4, dense_rows=16), _K("read", 128, 1, group=4, dense_rows=16)],
@@ -480,6 +484,14 @@ def _mamba_raw(xs: list[StepInputs], heads: int, device) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 
+def _standard_layout(state: Tensor) -> Tensor:
+    """A copy of a key-major ``state`` [N, H, K, V] stored as the standard step runs it
+    (:data:`~sketchcal.kernels.dispatch.STANDARD_VALUE_MAJOR`)."""
+    if dispatch.STANDARD_VALUE_MAJOR:
+        return state.transpose(-1, -2).contiguous().transpose(-1, -2)
+    return state.clone()
+
+
 def _configs(
     family: str, configs: dict[str, KernelConfig] | None, read_dtype: torch.dtype
 ) -> dict[str, KernelConfig]:
@@ -582,11 +594,14 @@ def run_bench(
     timer = _Timer(cuda, replays)
     cfg = _configs(family, configs, rd)
 
+    # the standard step's own copies of the states, in the layout it runs on
+    std_states = [_standard_layout(p.state) for p in plist]
+
     def standard_fn(c: KernelConfig, steps: int = window) -> Callable[[], None]:
         def fn() -> None:
             for t in range(steps):
-                for i, pool in enumerate(plist):
-                    dispatch.standard_step(family, pool.state, slots, xs[t], outs[i], config=c)
+                for i, state in enumerate(std_states):
+                    dispatch.standard_step(family, state, slots, xs[t], outs[i], config=c)
 
         return fn
 

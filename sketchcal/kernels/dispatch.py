@@ -57,6 +57,7 @@ __all__ = [
     "DEFAULT_CONFIGS",
     "FORMS",
     "FP8_CONFIGS",
+    "STANDARD_VALUE_MAJOR",
     "SWEEP_FALLBACK",
     "DecodePool",
     "KernelConfig",
@@ -181,11 +182,13 @@ _K = KernelConfig
 
 # The table: what runs by default, per (kernel, family). Launch shapes are the fastest on an H200 at
 # batch 256 among ``bench.TUNE_CANDIDATES`` (BENCHMARKS.md, "Decode kernels"), checked there by the
-# ``gpu`` tests with exactly these shapes.
+# ``gpu`` tests with exactly these shapes. The standard step's shapes are for a value-major state
+# (STANDARD_VALUE_MAJOR), which is faster than key-major in every family.
+STANDARD_VALUE_MAJOR = True
 DEFAULT_CONFIGS: dict[tuple[str, str], KernelConfig] = {
-    ("standard", "mamba2"): _K("standard", 64, 2),
-    ("standard", "gdn"): _K("standard", 64, 4),
-    ("standard", "kda"): _K("standard", 64, 4),
+    ("standard", "mamba2"): _K("standard", 16, 8),
+    ("standard", "gdn"): _K("standard", 16, 8),
+    ("standard", "kda"): _K("standard", 16, 8),
     ("replay", "mamba2"): _K("read", 64, 1, group=4, dense_rows=16),
     ("replay", "gdn"): _K("read", 128, 1, group=4, dense_rows=16),
     ("replay", "kda"): _K("read", 128, 1, group=4, dense_rows=16),
@@ -339,6 +342,8 @@ def _window_pool(pool: DecodePool, sketch: bool) -> tuple[int, int]:
         raise ValueError("a window pool (capacity > 0) is needed")
     if sketch and pool.sketch is None:
         raise ValueError("sketch mode needs a pool with a sketch tensor (allocate_pool(sketch_rows=M))")
+    if not pool.state.is_contiguous():
+        raise ValueError("the window kernels need a key-major (contiguous [N, H, K, V]) state")
     kd, vd = pool.state.shape[2:]
     if kd < CHUNK_MIN or vd < CHUNK_MIN:
         raise ValueError(f"the window kernels need K, V ≥ {CHUNK_MIN} (tensor-core tiles); K={kd}, V={vd}")
@@ -355,7 +360,8 @@ def standard_step(
     config: KernelConfig | None = None,
 ) -> Tensor:  # fmt: skip
     """The baseline: ``S ← A S + k wᵀ``, ``o = Sᵀ q (+ skip)`` for each of the T tokens in turn,
-    in place on ``state`` [N, H, K, V] fp32 at the slots given. Returns ``out`` [B, T, H, V]."""
+    in place on ``state`` [N, H, K, V] fp32 at the slots given, stored key-major or value-major
+    (``allocate_pool(value_major=True)``). Returns ``out`` [B, T, H, V]."""
     state = state.state if isinstance(state, DecodePool) else state
     _, t, _, _, _, h = _dims(family, x, state.shape[1])
     cfg = config or default_config("standard", family)

@@ -22,7 +22,8 @@ Inputs arrive as the runtime's :class:`StepInputs` (groups expanded to heads, k,
 the kernels take groups (k, q [B, T, G, K]): :func:`kernel_inputs` takes every (H/G)-th head.
 Window kernels get k, q, w and skip in the buffer dtype (bf16 on CUDA by default, which the Gluon
 flushes need; fp32 for exact replay and in the CPU interpreter), decay and beta in fp32. States
-are key-major [B, H, K, V] fp32; outputs are returned as fp32 [B, T, H, V], skip included.
+are key-major [B, H, K, V] fp32 (the standard pool stores its state value-major and hands out
+the [B, H, K, V] view); outputs are returned as fp32 [B, T, H, V], skip included.
 
 Speculative decoding: ``draft(x)`` reads T ≤ L tokens after the committed ones with
 ``spec_verify`` (appending them to the buffer). Drafts that reach the window end fold it with the
@@ -48,6 +49,7 @@ from sketchcal.kernels.common import StepInputs
 from sketchcal.kernels.common.pool import sketch_tables
 from sketchcal.kernels.dispatch import (
     CHUNK_MIN,
+    STANDARD_VALUE_MAJOR,
     DecodePool,
     allocate_pool,
     flush,
@@ -181,7 +183,9 @@ class KernelStandardState:
     ):
         b, h, kd, vd = state.shape
         self.family, self.groups, self.layer, self.probe = family, groups, layer, probe
-        self.pool = allocate_pool(family, b, h, groups, kd, vd, device=state.device)
+        self.pool = allocate_pool(
+            family, b, h, groups, kd, vd, value_major=STANDARD_VALUE_MAJOR, device=state.device
+        )
         self.pool.state.copy_(state)
         self.slots = torch.arange(b, dtype=torch.int32, device=state.device)
         self.pos = self.flushes = 0
@@ -218,7 +222,7 @@ class KernelStandardState:
         self._saved = None
 
     def state(self) -> Tensor:
-        """The current state [B, H, K, V] fp32."""
+        """The current state [B, H, K, V] fp32 (a view: the pool may store it value-major)."""
         return self.pool.state
 
 

@@ -26,7 +26,7 @@ CPU_SHAPES = {  # H, G, K, V
     "kda": [(4, 4, 16, 16), (2, 2, 32, 16)],
 }
 GPU_SHAPES = {"mamba2": (64, 8, 128, 64), "gdn": (32, 16, 128, 128), "kda": (32, 32, 128, 128)}
-OPS = ["standard", "replay", "sketch", "flush", "flush_sketch", "spec", "spec_sketch"]
+OPS = ["standard", "standard_vm", "replay", "sketch", "flush", "flush_sketch", "spec", "spec_sketch"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # an fp8 (e4m3) read copy and sketch, with bf16 inputs and outputs
 FP8 = torch.float8_e4m3fn
@@ -91,8 +91,10 @@ def run_case(
     top = cap + 1 if op.startswith("flush") else cap - tokens + 1
     pos = torch.randint(0, top, (b,), generator=gen, dtype=torch.int32).to(device)
     out = torch.full((b, tokens, h, vd), float("nan"), dtype=dtype, device=device)
+    if op == "standard_vm":  # the same values, stored value-major
+        pool = replace(pool, state=pool.state.transpose(-1, -2).contiguous().transpose(-1, -2))
     before, want_pool = pool.clone(), pool.clone()
-    if op == "standard":
+    if op.startswith("standard"):
         got = dispatch.standard_step(family, pool, slots, x, out)
         want = ref.standard_step(family, want_pool, slots, x)
     elif op in ("replay", "sketch", "spec", "spec_sketch"):
@@ -971,3 +973,22 @@ def test_window_in_cuda_graph_with_dependent_launch_gpu(family, monkeypatch):
     for t, (a, b) in enumerate(zip(o_plain, o_dep, strict=True)):
         assert torch.equal(a[live], b[live]), f"output of token {t}"
     assert not torch.equal(plain.state, pool.state)  # the window did fold into the checkpoint
+
+
+def test_value_major_state_is_for_the_standard_step_only():
+    """A value-major state runs the standard step; a window pool cannot be value-major, a window
+    kernel refuses one made by hand, and a state in neither storage order is refused."""
+    family, (h, g, kd, vd) = "gdn", CPU_SHAPES["gdn"][0]
+    with pytest.raises(ValueError, match="standard pool"):
+        dispatch.allocate_pool(family, 2, h, g, kd, vd, capacity=4, value_major=True)
+    pool = random_pool(family, 2, h, g, kd, vd, capacity=4)
+    slots, pos = torch.tensor([0, 1], dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    x = random_inputs(family, 2, 1, h, g, kd, vd)
+    vm = replace(pool, state=pool.state.transpose(-1, -2).contiguous().transpose(-1, -2))
+    with pytest.raises(ValueError, match="key-major"):
+        dispatch.replay_step(family, vm, slots, pos, x)
+    odd = torch.zeros(2, kd, h, vd).permute(0, 2, 1, 3)  # [N, H, K, V] with heads inside keys
+    with pytest.raises(ValueError, match="contiguous"):
+        dispatch.standard_step(family, odd, slots, x)
+    standard = dispatch.allocate_pool(family, 2, h, g, kd, vd, value_major=True)
+    assert standard.state.shape == (2, h, kd, vd) and standard.state.transpose(-1, -2).is_contiguous()

@@ -59,7 +59,8 @@ class DecodePool:
     every step reads and writes; in ``replay`` and ``sketch`` mode it is the checkpoint S_c,
     written only at a flush. Layouts (key-major, contiguous):
 
-        state      [N, H, K, V] fp32
+        state      [N, H, K, V] fp32 (a standard pool may store it value-major: see
+                   :func:`allocate_pool`)
         read       [N, H, K, V] read copy of the checkpoint (bf16, or fp32 for exact replay);
                    in sketch mode only the dense heads' rows (``read_rows[h]``) are kept fresh
         sketch     [N, H, M, V] sketch mode: R_{:m} S_c per head of rank m (rows ≥ m unused),
@@ -135,19 +136,28 @@ def allocate_pool(
     read_dtype: torch.dtype | None = torch.bfloat16,
     sketch_rows: int = 0,
     input_dtype: torch.dtype = torch.bfloat16,
+    value_major: bool = False,
     device: torch.device | str = "cpu",
 ) -> DecodePool:
     """Zero-initialised pool. ``capacity`` = 0 gives a standard-mode pool (state only);
     ``read_dtype`` None skips the read copy; ``sketch_rows`` > 0 adds the sketch tensor
-    (sketch mode; M = ``SketchTables.map_rows``)."""
+    (sketch mode; M = ``SketchTables.map_rows``). ``value_major`` (standard pools only) stores the
+    state as a contiguous [N, H, V, K] and hands it out transposed: ``pool.state`` is still the
+    logical [N, H, K, V]."""
     check_family(family)
     if heads % groups:
         raise ValueError(f"heads ({heads}) must be a multiple of groups ({groups})")
     for name, d in (("key_dim", key_dim), ("value_dim", value_dim)):
         if d < 1 or d & (d - 1):
             raise ValueError(f"{name} must be a power of two, got {d}")
+    if value_major and capacity > 0:
+        raise ValueError("only a standard pool (capacity 0) can hold its state value-major")
     z = dict(device=device)
-    pool = DecodePool(state=torch.zeros(slots, heads, key_dim, value_dim, dtype=torch.float32, **z))
+    if value_major:
+        state = torch.zeros(slots, heads, value_dim, key_dim, dtype=torch.float32, **z).transpose(-1, -2)
+    else:
+        state = torch.zeros(slots, heads, key_dim, value_dim, dtype=torch.float32, **z)
+    pool = DecodePool(state=state)
     if capacity > 0:
         if read_dtype is not None:
             pool.read = torch.zeros(slots, heads, key_dim, value_dim, dtype=read_dtype, **z)

@@ -1,8 +1,13 @@
 """The standard decode step (the baseline), shared by the three families.
 
-Per program (grid ``(V / BV, H, B)``): one slot's [K, BV] fp32 state tile, read once, advanced
-through the T tokens ``S ← A S + k wᵀ``, ``o = Sᵀ q (+ skip)`` each, and written back. State
-[N, H, K, V] fp32; inputs in the kernel layout of ``common/pool.py``.
+Per program (grid ``(V / BV, H, B)``): one slot's fp32 state tile of BV value columns, read
+once, advanced through the T tokens ``S ← A S + k wᵀ``, ``o = Sᵀ q (+ skip)`` each, and written
+back. Inputs in the kernel layout of ``common/pool.py``.
+
+The state is the logical [N, H, K, V] fp32 tensor in either storage order: key-major (contiguous;
+the tile is [K, BV]) or value-major (the transpose of a contiguous [N, H, V, K], the layout vLLM
+and fla's ``state_v_first`` keep; the tile is [BV, K], so each value column's k·S and q·S
+reductions run along contiguous keys). ``allocate_pool(..., value_major=True)`` makes the second.
 """
 
 from __future__ import annotations
@@ -28,31 +33,48 @@ from sketchcal.kernels.common.triton_helpers import (
 def _standard_kernel(
     state, slots, q, k, w, decay, beta, skip, out,
     T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-    FAMILY: tl.constexpr, HAS_SKIP: tl.constexpr, PDL: tl.constexpr,
+    FAMILY: tl.constexpr, HAS_SKIP: tl.constexpr, VALUE_MAJOR: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     dependent_launch(PDL)
     i_v, i_h, i_b, s = program_slot(slots)
     if s < 0:
         return
     i_g, o_k, o_v = head_tile(i_v, i_h, H, G, K, BV)
-    p_s = state + (s * H + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :]
+    if VALUE_MAJOR:  # [BV, K] tile of the [V, K] head state
+        p_s = state + (s * H + i_h) * (K * V) + o_v[:, None] * K + o_k[None, :]
+    else:  # [K, BV] tile of the [K, V] head state
+        p_s = state + (s * H + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :]
     S = tl.load(p_s, eviction_policy="evict_first")
     live = s >= 0
     for t in tl.static_range(T):
         x_t = i_b * T + t
         S = step_emit(
-            S, q, k, w, decay, beta, skip, out, x_t, i_h, i_g, o_k, o_v, live, H, G, K, V, FAMILY, HAS_SKIP, 0
-        )
+            S, q, k, w, decay, beta, skip, out, x_t, i_h, i_g, o_k, o_v, live, H, G, K, V, FAMILY, HAS_SKIP,
+            1 if VALUE_MAJOR else 0,
+        )  # fmt: skip
     tl.store(p_s, S, eviction_policy="evict_first")
 
 
 def launch(family: str, state: Tensor, slots: Tensor, x: StepInputs, out: Tensor, cfg) -> None:
-    """:func:`_standard_kernel` over (V / BV, H, B) for a checked ``state`` [N, H, K, V] and inputs."""
+    """:func:`_standard_kernel` over (V / BV, H, B) for a checked ``state`` [N, H, K, V] (either
+    storage order, see :func:`value_major`) and inputs."""
     b, t, g, kd = x.k.shape
     h, vd = state.shape[1], state.shape[3]
     bv = clip_block_v(cfg.block_v, vd)
     _standard_kernel[(vd // bv, h, b)](
         state, slots, x.q, x.k, x.w, x.decay, beta_or_placeholder(x), x.skip if x.skip is not None else x.w,
         out, T=t, H=h, G=g, K=kd, V=vd, BV=bv, FAMILY=FAMILY_ID[family], HAS_SKIP=x.skip is not None,
-        **launch_options(cfg.num_warps, cfg.maxnreg, state.device),
+        VALUE_MAJOR=value_major(state), **launch_options(cfg.num_warps, cfg.maxnreg, state.device),
     )  # fmt: skip
+
+
+def value_major(state: Tensor) -> bool:
+    """Whether the logical [N, H, K, V] ``state`` is stored value-major (the transpose of a
+    contiguous [N, H, V, K]); False for a contiguous one. Any other strides are refused."""
+    if state.is_contiguous():
+        return False
+    if state.transpose(-1, -2).is_contiguous():
+        return True
+    raise ValueError(
+        "the state must be a contiguous [N, H, K, V] tensor or the transpose of a contiguous [N, H, V, K]"
+    )
