@@ -183,8 +183,9 @@ def bench(
     prompt_len: Annotated[int, typer.Option(help="--e2e: prompt tokens per sequence")] = 1024,
     new_tokens: Annotated[int, typer.Option(help="--e2e: decoded tokens per sequence")] = 256,
     modes: Annotated[
-        str, typer.Option(help="--e2e: comma-separated among generate,own,standard,replay,sketch,bound")
-    ] = "generate,own,standard,replay,sketch,bound",
+        str,
+        typer.Option(help="--e2e: comma-separated among generate,own,public,standard,replay,sketch,bound"),
+    ] = "generate,own,public,standard,replay,sketch,bound",
     layers: Annotated[int | None, typer.Option(help="--e2e: cut kimi-linear-48b to this many layers")] = None,
     json_out: Annotated[Path | None, typer.Option(help="Also write the results as JSON")] = None,
 ) -> None:

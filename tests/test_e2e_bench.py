@@ -79,7 +79,7 @@ def test_table_without_a_generate_row():
 
     rows = [
         dict(batch=8, mode=m, ms_per_step=ms, prefill_s=1.0, peak_gib=2.0, tokens_per_s=8e3 / ms)
-        for m, ms in (("own", 30.0), ("standard", 20.0), ("sketch", 15.0), ("bound", 14.0))
+        for m, ms in (("own", 30.0), ("public", 18.0), ("standard", 20.0), ("sketch", 15.0), ("bound", 14.0))
     ]
     rows.append(dict(batch=8, mode="replay", error="out of GPU memory"))
     result = dict(
@@ -92,7 +92,7 @@ def test_table_without_a_generate_row():
     text = console.export_text()
     assert "nan" not in text
     sketch = next(line for line in text.splitlines() if " sketch " in line)
-    assert "– " in sketch and "2.00" in sketch  # no × generate; × own = 30 / 15
+    assert "– " in sketch and "2.00" in sketch and "1.20" in sketch  # no × generate; × own, × public
     assert "out of GPU memory" in text and "the sketch gets 83% of the Amdahl-bound gain" in text
 
 

@@ -241,6 +241,44 @@ def check_graph_decoder(model, art, prompt, new: int, window: int) -> None:
     assert torch.equal(graph_generate(model, prompt, new, art, "sketch", **kw), sketch.sequences)
 
 
+def check_public(model, prompt, new: int) -> None:
+    """The public backend (the family's public kernel in place on a slot pool) decodes the model's
+    own greedy tokens, in ``generate()`` and in the graph decoder, with every layer on it."""
+    plain = generate(model, prompt, new)
+    out, states = generate(model, prompt, new, None, "standard", backend="public")
+    assert torch.equal(out.sequences, plain)
+    assert states and all(type(s).__name__ == "PublicStandardState" for s in states.values())
+    assert torch.equal(graph_generate(model, prompt, new, None, "standard", backend="public"), plain)
+
+
+def public_or_skip(fam: str) -> None:
+    from sketchcal.kernels import public
+
+    why = public.available(fam)
+    if why is not None:
+        pytest.skip(why)
+    if fam != "gdn" and DEVICE == "cpu":  # fla's KDA kernel crashes the interpreter, vLLM's needs CUDA
+        pytest.skip("only fla's GDN decode kernel runs in the Triton interpreter")
+
+
+def test_public_backend_decodes_the_models_tokens(fam_model):
+    fam, model, _, _ = fam_model
+    public_or_skip(fam)
+    check_public(model, ids_for(model, 2, P + 3, 23), 2 * L + 3)
+
+
+def test_public_backend_refusals():
+    """Modes other than standard, and a machine without the family's library, are one-line errors."""
+    from sketchcal.kernels import public
+
+    model, _ = tiny_model("mamba2")
+    with pytest.raises(SketchcalError, match="standard decoding only"):
+        enable(model, None, "replay", backend="public")
+    if public.available("mamba2") is not None:
+        with pytest.raises(SketchcalError, match="vLLM or mamba_ssm"):
+            enable(model, None, "standard", backend="public")
+
+
 def test_graph_decoder_decodes_the_same_tokens(fam_model):
     _, model, _, art = fam_model
     check_graph_decoder(model, art, ids_for(model, 2, P + 3, 21), 2 * L + 3, L)
@@ -493,6 +531,14 @@ def test_demo_model_bf16_buffers_gpu(demo):
     sketch, _ = forward(model, ids, art, "sketch", "reference", window, read_dtype="bf16")
     kl = float(kl_per_token(ref[:, P:], got[:, P:]).mean())
     assert kl <= 1e-3 and 10 * kl < float(kl_per_token(ref[:, P:], sketch[:, P:]).mean())
+
+
+@pytest.mark.gpu
+def test_demo_model_public_backend_gpu(demo):
+    """The public kernels at batch 64, 256 tokens: the model's own greedy tokens."""
+    model, _ = demo
+    public_or_skip(describe(model).family)
+    check_public(model, ids_for(model, GPU_BATCH, P + 16, 15), GPU_NEW)
 
 
 @pytest.mark.gpu

@@ -74,10 +74,10 @@ READ_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float
 # the most an SM holds) are tried.
 _K = KernelConfig
 TUNE_CANDIDATES: dict[str, dict[str, list[KernelConfig]]] = {
-    # [16, K] tiles of a value-major state; key-major [K, BV] tiles (block_v 16-128, 1-8 warps,
-    # register caps) were slower in every family
+    # [8 or 16, K] tiles of a value-major state; key-major [K, BV] tiles (block_v 16-128, 1-8
+    # warps, register caps) and wider value-major ones (32) were slower in every family
     "standard": {
-        f: [_K("standard", bv, nw) for bv, nw in ((8, 1), (8, 2), (16, 1), (16, 4), (16, 8))]
+        f: [_K("standard", bv, nw) for bv, nw in ((8, 1), (8, 2), (8, 4), (16, 1), (16, 8))]
         for f in ("mamba2", "gdn", "kda")
     },
     "replay": {

@@ -187,8 +187,8 @@ _K = KernelConfig
 STANDARD_VALUE_MAJOR = True
 DEFAULT_CONFIGS: dict[tuple[str, str], KernelConfig] = {
     ("standard", "mamba2"): _K("standard", 16, 8),
-    ("standard", "gdn"): _K("standard", 16, 8),
-    ("standard", "kda"): _K("standard", 16, 8),
+    ("standard", "gdn"): _K("standard", 8, 2),
+    ("standard", "kda"): _K("standard", 8, 2),
     ("replay", "mamba2"): _K("read", 64, 1, group=4, dense_rows=16),
     ("replay", "gdn"): _K("read", 128, 1, group=4, dense_rows=16),
     ("replay", "kda"): _K("read", 128, 1, group=4, dense_rows=16),

@@ -6,7 +6,12 @@ tokens each) is decoded greedily for ``new`` tokens by:
 - ``generate``: plain ``model.generate()``, as a user has it (dynamic cache, the model's own decode
   kernels: fla / mamba-ssm where installed);
 - ``own``: :class:`~sketchcal.runtime.graph_decode.GraphDecoder` with the model's own decode
-  kernels (the fast loop with the public kernels transformers calls);
+  kernels, as transformers calls them (its state layout, and the modeling code's copies of each
+  new state into the cache);
+- ``public``: the graph decoder with the runtime's ``public`` backend: the family's fastest public
+  decode kernel (fla's GDN kernel value-major, fla's KDA kernel, vLLM's ``selective_state_update``)
+  in place on a slot pool, fed the model's own decode arguments: the fast loop with the best
+  public kernels, the baseline of the sketch's speed-up;
 - ``standard``, ``replay``, ``sketch``: the graph decoder with the runtime's Triton kernels in that
   mode (sketch at the artifact's ranks; for a random-weight config, random bases at ``rank``
   spread over the heads as an allocation spreads them);
@@ -35,7 +40,7 @@ from torch import nn
 
 from sketchcal.errors import SketchcalError
 
-MODES = ("generate", "own", "standard", "replay", "sketch", "bound")
+MODES = ("generate", "own", "public", "standard", "replay", "sketch", "bound")
 
 
 def load_bench_model(name: str, *, layers: int | None = None, dtype: torch.dtype = torch.bfloat16):
@@ -149,9 +154,10 @@ def _graph_row(model: nn.Module, ids: torch.Tensor, new: int, mode: str, artifac
             out = decoder.generate(ids, new)
     else:
         art = artifact if mode == "sketch" else None
-        with enabled(model, art, mode, window=window, backend="triton") as rt:
-            if rt.backend != "triton":
-                raise SketchcalError(f"the triton backend cannot run this model in {mode} mode")
+        backend, run_mode = ("public", "standard") if mode == "public" else ("triton", mode)
+        with enabled(model, art, run_mode, window=window, backend=backend) as rt:
+            if rt.backend != backend:
+                raise SketchcalError(f"the {backend} backend cannot run this model in {mode} mode")
             decoder = GraphDecoder(model)
             out = decoder.generate(ids, new)
     t = decoder.last_times
@@ -257,7 +263,7 @@ def _summarise(result: dict) -> None:
     for batch in sorted({b for b, _ in by}):
         step = {m: by[(batch, m)]["ms_per_step"] for (b, m) in by if b == batch}
         line: dict = {"batch": batch}
-        for base in ("generate", "own", "standard"):
+        for base in ("generate", "own", "public", "standard"):
             if base in step:
                 line[f"vs_{base}"] = {m: step[base] / ms for m, ms in step.items()}
         if {"standard", "sketch", "bound"} <= step.keys() and step["standard"] > step["bound"]:
@@ -293,6 +299,7 @@ def print_e2e(result: dict, console=None) -> None:
         "tokens/s",
         "× generate",
         "× own",
+        "× public",
         "peak GiB",
         "= std",
     ):
@@ -300,7 +307,7 @@ def print_e2e(result: dict, console=None) -> None:
     summary = {s["batch"]: s for s in result["summary"]}
     for r in result["rows"]:
         if "error" in r:
-            table.add_row(str(r["batch"]), r["mode"], r["error"], *[""] * 6)
+            table.add_row(str(r["batch"]), r["mode"], r["error"], *[""] * 7)
             continue
         s = summary.get(r["batch"], {})
         table.add_row(
@@ -311,6 +318,7 @@ def print_e2e(result: dict, console=None) -> None:
             f"{r['tokens_per_s']:,.0f}",
             _ratio(s, "vs_generate", r["mode"]),
             _ratio(s, "vs_own", r["mode"]),
+            _ratio(s, "vs_public", r["mode"]),
             f"{r['peak_gib']:.1f}",
             f"{r['same_tokens_as_standard']:.1%}" if "same_tokens_as_standard" in r else "–",
         )

@@ -72,7 +72,7 @@ class GraphDecoder:
         if self.graphs and self.device.type != "cuda":
             raise SketchcalError("CUDA graphs need the model on a CUDA device; pass graphs=False")
         self.runtime: Runtime | None = runtime_of(model)
-        if self.graphs and self.runtime is not None and self.runtime.backend != "triton":
+        if self.graphs and self.runtime is not None and self.runtime.backend not in ("triton", "public"):
             raise SketchcalError(
                 "graph decoding runs the recurrent layers on the Triton kernels; enable the runtime with "
                 "backend='triton' (or 'auto' on a GPU), or pass graphs=False"

@@ -26,7 +26,9 @@ device). ``triton`` runs :mod:`sketchcal.runtime.kernel_state`: each layer's dec
 Triton kernels over a slot pool holding the batch's states (in ``standard`` mode too, where the
 reference backend calls the model's own one-token function); prefill stays the model's own.
 ``auto`` picks ``triton`` when every recurrent layer is on a CUDA device, Triton imports and the
-kernels take the configuration, else ``reference``.
+kernels take the configuration, else ``reference``. ``public`` (``standard`` mode, CUDA) runs each
+decode call on the family's fastest public kernel over a slot pool
+(:mod:`sketchcal.runtime.public_state`): the baseline the triton backend is measured against.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from sketchcal.runtime.precision import Precision, parse_dtype
 from sketchcal.runtime.sketch import SKETCH_MAPS, SketchTables, layer_tables
 from sketchcal.runtime.state import DEFAULT_WINDOW, MODES, DecodeState, Probe, make_state
 
-BACKENDS = ("auto", "triton", "reference")
+BACKENDS = ("auto", "triton", "reference", "public")
 
 
 @dataclass
@@ -254,6 +256,10 @@ class Runtime:
             layer=layer,
             probe=self.probe,
         )
+        if self.backend == "public":
+            from sketchcal.runtime.public_state import PublicStandardState
+
+            return PublicStandardState(self.spec.family, checkpoint.float(), layer=layer)
         if self.backend == "triton":
             from sketchcal.runtime.kernel_state import make_kernel_state
 
@@ -334,6 +340,8 @@ class Runtime:
     def _step(self, state: Any, kind: str, named: dict[str, Any]) -> Tensor:
         """Decode steps of ``named``'s tokens in ``state``: outputs [B, T, H, V] (the triton backend:
         in the kernels' dtype, which the call's result casts once to the model's)."""
+        if self.backend == "public":
+            return state.step_args(named)
         if self.backend != "triton":
             return state.step(self._inputs(kind, named))
         fused = getattr(self.spec.adapter, "fused_inputs", None)
@@ -406,12 +414,14 @@ def _sketch_map(sketch_map: str | None, art: SketchArtifact | None, mode: str) -
 def _resolve_backend(
     backend: str, mode: str, spec: ModelSpec, precision: Precision, probe: Probe | None, devices: list
 ) -> str:
-    """``reference`` or ``triton`` for ``backend`` (see :func:`enable`); a one-line error where
-    ``triton`` was asked for and cannot run."""
+    """``reference``, ``triton`` or ``public`` for ``backend`` (see :func:`enable`); a one-line
+    error where ``triton`` or ``public`` was asked for and cannot run."""
     if backend not in BACKENDS:
         raise SketchcalError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if backend == "reference":
         return backend
+    if backend == "public":
+        return _public_backend(mode, spec, probe, devices)
     on_cuda = bool(devices) and all(d.type == "cuda" for d in devices)
     if backend == "auto" and not on_cuda:
         return "reference"
@@ -432,6 +442,25 @@ def _resolve_backend(
     if backend == "auto":
         return "reference"
     raise SketchcalError(f"backend='triton': {why}; use backend='reference'")
+
+
+def _public_backend(mode: str, spec: ModelSpec, probe: Probe | None, devices: list) -> str:
+    """``public`` where it can run, else a one-line error saying what to change."""
+    from sketchcal.kernels import public
+    from sketchcal.runtime.kernel_state import interpreting
+
+    if mode != "standard":
+        raise SketchcalError(
+            f"backend='public' runs standard decoding only, not {mode}; use backend='triton'"
+        )
+    if probe is not None:
+        raise SketchcalError("backend='public' takes no probe; use backend='reference'")
+    if not interpreting() and not (devices and all(d.type == "cuda" for d in devices)):
+        raise SketchcalError("backend='public' runs public CUDA kernels: move the model to a GPU")
+    why = public.available(spec.family)
+    if why is not None:
+        raise SketchcalError(f"backend='public': {why}; install it or use backend='triton'")
+    return "public"
 
 
 def _layer_tables(backend: str, layer, family: str, shape, device) -> SketchTables:
@@ -480,7 +509,8 @@ def enable(
             interpreter with ``TRITON_INTERPRET=1``), ``reference`` (torch), or ``auto``: triton
             when every recurrent layer is on CUDA, Triton imports and the kernels take the
             configuration (fp32 math, no ``shared``, an fp32, bf16 or fp8 read copy, power-of-two
-            K, V ≥ 16, no probe of exact reads), else reference.
+            K, V ≥ 16, no probe of exact reads), else reference. ``public``: ``standard`` mode on
+            the family's fastest public kernel (fla, vLLM) over a slot pool, for comparison.
         buffer_dtype: triton backend: dtype of the buffered inputs, fp32 or bf16 (default: the
             artifact's ``traffic.buffer_dtype``, else bf16, on CUDA; fp32 in the interpreter).
             fp32 makes replay exact to fp32 rounding; bf16 halves the buffer traffic. Ignored when
