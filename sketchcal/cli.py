@@ -187,11 +187,14 @@ def bench(
         typer.Option(help="--e2e: comma-separated among generate,own,public,standard,replay,sketch,bound"),
     ] = "generate,own,public,standard,replay,sketch,bound",
     layers: Annotated[int | None, typer.Option(help="--e2e: cut kimi-linear-48b to this many layers")] = None,
+    prefill_rows: Annotated[
+        int | None, typer.Option(help="--e2e: prefill the recurrent layers this many sequences at a time")
+    ] = None,
     json_out: Annotated[Path | None, typer.Option(help="Also write the results as JSON")] = None,
 ) -> None:
     """Time decoding on a CUDA device: the decode kernels of one layer (standard, replay, sketch,
     the public kernels), or with --e2e whole models (tokens/s of generate(), the graph decoder with
-    the model's own kernels and with ours, and the Amdahl bound)."""
+    the model's own kernels, with the best public kernels and with ours, and the Amdahl bound)."""
     import json as _json
 
     from sketchcal.fsutil import write_bytes
@@ -218,6 +221,7 @@ def bench(
             window=window,
             modes=tuple(m for m in modes.split(",") if m),
             layers=layers,
+            prefill_rows=prefill_rows,
         )
         print_e2e(result)
         results: object = result

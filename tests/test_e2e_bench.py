@@ -112,3 +112,41 @@ def test_bench_refusals_are_one_line(monkeypatch, capsys, args, says):
         main()
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and says in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("fam", ["gdn", "mamba2"])
+def test_prefill_in_rows_changes_nothing_but_the_batching(fam):
+    """The prefill function run one sequence at a time: the same logits, the same greedy tokens with
+    a runtime enabled inside it, and every call split (the wrapped function sees batches of 1)."""
+    import functools
+    import importlib
+
+    from sketchcal.models.capture import torch_reference
+    from sketchcal.runtime.e2e_bench import prefill_in_rows
+
+    model, spec = tiny_model(fam)
+    ids = ids_for(model, 3, P, 8)
+    module = importlib.import_module(spec.arch.module)
+    name = spec.adapter.prefill_fn
+    seen: list[int] = []
+    original = getattr(module, name)
+
+    @functools.wraps(torch_reference(original))
+    def counting(*args, **kwargs):
+        seen.append(args[0].shape[0] if args else next(iter(kwargs.values())).shape[0])
+        return original(*args, **kwargs)
+
+    with torch.no_grad():
+        want = model(ids).logits
+        plain, _ = generate(model, ids, L + 2, None, "replay", window=L, backend="reference")
+        setattr(module, name, counting)
+        try:
+            with prefill_in_rows(model, 1):
+                got = model(ids).logits
+                rows, _ = generate(model, ids, L + 2, None, "replay", window=L, backend="reference")
+        finally:
+            setattr(module, name, original)
+    assert getattr(module, name) is original
+    assert len(seen) == 2 * 3 and set(seen) == {1}  # both prefills, each split in three
+    assert rel_max(got, want) <= 1e-6
+    assert torch.equal(rows.sequences, plain.sequences)

@@ -19,6 +19,11 @@ tokens each) is decoded greedily for ``new`` tokens by:
   returns zeros and touches no state: the step without its recurrent-state work, the most any
   recurrent kernel could gain (the Amdahl bound).
 
+``prefill_rows`` runs the recurrent layers' prefill function a few sequences at a time
+(:func:`prefill_in_rows`): the same function and results with a lower peak, for models whose
+prefill does not fit the whole batch at once (transformers' torch Mamba-2 scan where mamba_ssm is
+not installed). Decoding is unchanged.
+
 Each row reports the prefill time, the decode time per step over the graph-replayed steps (CUDA
 events; ``generate``: its whole decode over ``new`` − 1 steps), decode tokens/s (batch ÷ step),
 peak GPU memory (``torch.cuda.max_memory_allocated`` over that row's prefill and decode) and the
@@ -120,6 +125,58 @@ def state_work_removed(model: nn.Module) -> Iterator[None]:
         setattr(module, name, original)
 
 
+@contextlib.contextmanager
+def prefill_in_rows(model: nn.Module, rows: int | None) -> Iterator[None]:
+    """Make the recurrent layers' prefill function run ``rows`` sequences at a time (None: as it
+    is): its token and initial-state arguments are split along the batch, everything else passed
+    whole, and the outputs (and final states) joined. Enter it before a runtime is enabled: the
+    runtime then calls it as the model's own prefill."""
+    if rows is None:
+        yield
+        return
+    if rows < 1:
+        raise SketchcalError(f"--prefill-rows must be at least 1, got {rows}")
+    import inspect
+
+    from sketchcal.models import describe
+    from sketchcal.models.capture import torch_reference
+    from sketchcal.runtime.families import GLUES
+
+    spec = describe(model)
+    glue = GLUES[spec.family]
+    module = importlib.import_module(spec.arch.module)
+    name = spec.adapter.prefill_fn
+    original = getattr(module, name)
+    reference = torch_reference(original)
+    signature = inspect.signature(reference)
+    names = list(signature.parameters)
+    split = {*glue.token_args, glue.prefill_state}
+
+    def in_rows(*args, **kwargs):
+        batch = signature.bind(*args, **kwargs).arguments[glue.token_args[0]].shape[0]
+        if batch <= rows:
+            return original(*args, **kwargs)
+
+        def rows_of(name: str, value, start: int):
+            return value[start : start + rows] if name in split and value is not None else value
+
+        parts = []
+        for s in range(0, batch, rows):  # the caller's positional / keyword layout, kept
+            part_args = [rows_of(names[i], a, s) for i, a in enumerate(args)]
+            parts.append(original(*part_args, **{k: rows_of(k, v, s) for k, v in kwargs.items()}))
+        if isinstance(parts[0], tuple):
+            return tuple(None if p[0] is None else torch.cat(p) for p in zip(*parts, strict=True))
+        return torch.cat(parts)
+
+    # no __wrapped__: a runtime enabled inside calls this on every device, as the model does
+    in_rows.__signature__, in_rows.__name__ = signature, name
+    setattr(module, name, in_rows)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
 def _peak_reset() -> None:
     gc.collect()
     torch.cuda.empty_cache()
@@ -175,6 +232,7 @@ def run_e2e(
     window: int = 16,
     modes: tuple[str, ...] = MODES,
     layers: int | None = None,
+    prefill_rows: int | None = None,
     progress: bool = True,
 ) -> dict:
     """Decode throughput of ``model_name`` at each batch size in each mode (see the module docstring)."""
@@ -204,13 +262,14 @@ def run_e2e(
         dtype=str(next(model.parameters()).dtype),
         prompt=prompt,
         new=new,
+        prefill_rows=prefill_rows,
         window=window,
         mean_rank=float(torch.cat([lay.ranks.float() for lay in artifact.layers]).mean()),
         device=torch.cuda.get_device_name(),
         torch=torch.__version__,
         rows=[],
     )
-    with torch.no_grad(), progress_bar(enabled=progress) as bar:
+    with torch.no_grad(), prefill_in_rows(model, prefill_rows), progress_bar(enabled=progress) as bar:
         task = bar.add_task("e2e", total=len(batches) * len(modes))
         for batch in batches:
             ids = torch.randint(3, vocab, (batch, prompt), generator=torch.Generator().manual_seed(batch))
