@@ -44,7 +44,7 @@ def _standard_kernel(
         p_s = state + (s * H + i_h) * (K * V) + o_v[:, None] * K + o_k[None, :]
     else:  # [K, BV] tile of the [K, V] head state
         p_s = state + (s * H + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :]
-    S = tl.load(p_s, eviction_policy="evict_first")
+    S = tl.load(p_s)  # no eviction hint: evict_first was slower (BENCHMARKS.md, forms tried)
     live = s >= 0
     for t in tl.static_range(T):
         x_t = i_b * T + t
@@ -52,7 +52,7 @@ def _standard_kernel(
             S, q, k, w, decay, beta, skip, out, x_t, i_h, i_g, o_k, o_v, live, H, G, K, V, FAMILY, HAS_SKIP,
             1 if VALUE_MAJOR else 0,
         )  # fmt: skip
-    tl.store(p_s, S, eviction_policy="evict_first")
+    tl.store(p_s, S)
 
 
 def launch(family: str, state: Tensor, slots: Tensor, x: StepInputs, out: Tensor, cfg) -> None:
