@@ -41,7 +41,7 @@ from sketchcal.kernels.common.triton_helpers import (
     launch_options,
     prefetch_enabled,
 )
-from sketchcal.kernels.dispatch import SWEEP_FALLBACK, KernelConfig, default_config
+from sketchcal.kernels.dispatch import STANDARD_VALUE_MAJOR, SWEEP_FALLBACK, KernelConfig, default_config
 from sketchcal.kernels.mamba2.flush_chunk import sketch_terms
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -101,7 +101,8 @@ def build(kernel: str, family: str, cfg: KernelConfig, sketch: bool = True, toke
     if kernel == "standard":
         from sketchcal.kernels.common import standard
 
-        return _compile(standard._standard_kernel, dict(T=tokens, **common), nw, cap)
+        consts = dict(T=tokens, VALUE_MAJOR=STANDARD_VALUE_MAJOR, **common)  # as the standard pools hold it
+        return _compile(standard._standard_kernel, consts, nw, cap)
     if kernel in ("split_group", "split_heads"):  # Mamba-2's split sketch read, bf16
         from sketchcal.kernels.mamba2 import read_split as RS
 

@@ -33,8 +33,11 @@ class PublicStandardState:
     def __init__(self, family: str, state: Tensor, *, layer: int | None = None):
         self.family, self.layer = family, layer
         self.value_major = public.VALUE_MAJOR[family]
-        self.store = (state.transpose(-1, -2) if self.value_major else state).float().contiguous().clone()
-        self.slots = torch.arange(state.shape[0], dtype=torch.int32, device=state.device)
+        b, h, kd, vd = state.shape
+        shape = (b, h, vd, kd) if self.value_major else (b, h, kd, vd)
+        self.store = state.new_empty(shape, dtype=torch.float32)
+        self.state().copy_(state)
+        self.slots = torch.arange(b, dtype=torch.int32, device=state.device)
         self.pos = self.flushes = 0
 
     @property
