@@ -71,6 +71,39 @@ def fused_delta_rule_inputs(args: dict[str, Any], dtype: torch.dtype) -> StepInp
     return delta_rule_inputs(*(args[n] for n in names), l2norm=l2norm, dtype=dtype)
 
 
+class DeltaRuleAdapter:
+    """What the GDN and KDA adapters share: both families' kernel functions take query and key
+    [B, T, Hk, K], value [B, T, H, V], a log-decay ``g`` and ``beta`` [B, T, H], and compute the
+    same dynamics in prefill and decode. A subclass names its functions and its layer shape, and
+    gives transformers' own l2 norm and query scale for the family (their rounding differs)."""
+
+    family: str
+    prefill_fn: str
+    decode_fn: str
+
+    @staticmethod
+    def l2norm(x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    @staticmethod
+    def query_scale(key_dim: int) -> float:
+        raise NotImplementedError
+
+    def inputs(
+        self, kind: str, args: ArgMap, dtype: torch.dtype = torch.float64, *, step_dynamics: bool = False
+    ) -> Converted:  # both functions compute the same dynamics
+        q, k, w, beta, decay, state = delta_rule_terms(args, self.l2norm, dtype)
+        q = q * self.query_scale(q.shape[-1])
+        rep = w.shape[-2] // k.shape[-2]  # value heads per key head (1: every head its own group)
+        q, k = (t.repeat_interleave(rep, dim=-2).to(dtype) if rep > 1 else t.to(dtype) for t in (q, k))
+        return StepInputs(k=k, q=q, w=w, decay=decay, beta=beta), state
+
+    fused_inputs = staticmethod(fused_delta_rule_inputs)
+
+    def pre_gate_output(self, kind: str, result: Any) -> Tensor:
+        return first_output(result)
+
+
 class FamilyAdapter(Protocol):
     """Maps the arguments of a family's transformers kernel functions to :class:`StepInputs`.
 
