@@ -69,6 +69,14 @@ class Mamba2Adapter:
         inputs = StepInputs(k=k, q=q, w=dt[..., None] * x, decay=decay, beta=None, skip=skip)
         return inputs, None if state is None else state.to(dtype).transpose(-1, -2)
 
+    @staticmethod
+    def fused_inputs(args: ArgMap, dtype: torch.dtype) -> StepInputs:
+        """:meth:`inputs` of a decode step in the kernels' layout, from one Triton kernel
+        (:func:`sketchcal.kernels.common.prepare.mamba2_inputs`; ``inputs`` is its reference)."""
+        from sketchcal.kernels.common.prepare import mamba2_inputs
+
+        return mamba2_inputs(args, dtype)
+
     def pre_gate_output(self, kind: str, result: Any) -> Tensor:
         out = first_output(result)
         return out if kind == "prefill" else out[:, None]
