@@ -94,6 +94,7 @@ def test_table_without_a_generate_row():
     sketch = next(line for line in text.splitlines() if " sketch " in line)
     assert "– " in sketch and "2.00" in sketch and "1.20" in sketch  # no × generate; × own, × public
     assert "out of GPU memory" in text and "the sketch gets 83% of the Amdahl-bound gain" in text
+    assert "--prefill-rows N" in " ".join(text.split())  # the hint, once a row ran out of memory
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="checks the refusal without a GPU")

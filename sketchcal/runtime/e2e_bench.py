@@ -46,6 +46,7 @@ from torch import nn
 from sketchcal.errors import SketchcalError
 
 MODES = ("generate", "own", "public", "standard", "replay", "sketch", "bound")
+OUT_OF_MEMORY = "out of GPU memory"
 
 
 def load_bench_model(name: str, *, layers: int | None = None, dtype: torch.dtype = torch.bfloat16):
@@ -286,7 +287,7 @@ def run_e2e(
                     row.update(peak_gib=torch.cuda.max_memory_allocated() / 2**30)
                     tokens[mode] = out[:, prompt:].cpu()
                 except torch.OutOfMemoryError:
-                    row = dict(error="out of GPU memory")
+                    row = dict(error=OUT_OF_MEMORY)
                 except SketchcalError as err:
                     row = dict(error=str(err))
                 row.update(batch=batch, mode=mode)
@@ -382,6 +383,11 @@ def print_e2e(result: dict, console=None) -> None:
             f"{r['same_tokens_as_standard']:.1%}" if "same_tokens_as_standard" in r else "–",
         )
     console.print(table)
+    if any(r.get("error") == OUT_OF_MEMORY for r in result["rows"]):
+        console.print(
+            "rows out of GPU memory: try a smaller --batch, or --prefill-rows N where the prefill does "
+            "not fit (transformers' torch Mamba-2 scan holds a whole batch's chunk temporaries)"
+        )
     for s in result["summary"]:
         share = s.get("sketch_share_of_bound_gain")
         if share is not None:
