@@ -151,7 +151,8 @@ def prefill_in_rows(model: nn.Module, rows: int | None) -> Iterator[None]:
     reference = torch_reference(original)
     signature = inspect.signature(reference)
     names = list(signature.parameters)
-    split = {*glue.token_args, glue.prefill_state}
+    # per-sequence arguments (Mamba-2's gate z and sequence index, when a caller passes them)
+    split = {*glue.token_args, glue.prefill_state, "z", "seq_idx"}
 
     def in_rows(*args, **kwargs):
         batch = signature.bind(*args, **kwargs).arguments[glue.token_args[0]].shape[0]
