@@ -484,14 +484,6 @@ def _mamba_raw(xs: list[StepInputs], heads: int, device) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 
-def _standard_layout(state: Tensor) -> Tensor:
-    """A copy of a key-major ``state`` [N, H, K, V] stored as the standard step runs it
-    (:data:`~sketchcal.kernels.dispatch.STANDARD_VALUE_MAJOR`)."""
-    if dispatch.STANDARD_VALUE_MAJOR:
-        return state.transpose(-1, -2).contiguous().transpose(-1, -2)
-    return state.clone()
-
-
 def _configs(
     family: str, configs: dict[str, KernelConfig] | None, read_dtype: torch.dtype
 ) -> dict[str, KernelConfig]:
@@ -594,8 +586,13 @@ def run_bench(
     timer = _Timer(cuda, replays)
     cfg = _configs(family, configs, rd)
 
-    # the standard step's own copies of the states, in the layout it runs on
-    std_states = [_standard_layout(p.state) for p in plist]
+    # the standard step's own copies of the states, in standard pools as the runtime keeps them
+    std_states = [
+        allocate_pool(
+            family, batch, h, g, kd, vd, value_major=dispatch.STANDARD_VALUE_MAJOR, device=dev
+        ).state.copy_(p.state)
+        for p in plist
+    ]
 
     def standard_fn(c: KernelConfig, steps: int = window) -> Callable[[], None]:
         def fn() -> None:

@@ -38,22 +38,8 @@ class Mamba2Adapter:
     def inputs(
         self, kind: str, args: ArgMap, dtype: torch.dtype = torch.float64, *, step_dynamics: bool = False
     ) -> Converted:
-        if kind == "prefill":
-            x, dt, A, B, C = (args[n] for n in ("hidden_states", "dt", "A", "B", "C"))
-            D, state = args.get("D"), args.get("initial_states")
-        else:  # one token, per-head parameters broadcast over head_dim / d_state
-            x, dt, B, C = (
-                args["hidden_states"][:, None],
-                args["dt"][:, None, :, 0],
-                args["B"][:, None],
-                args["C"][:, None],
-            )
-            A = args["A"][:, 0, 0]
-            D, state = args.get("D"), args.get("state")
-            D = None if D is None else D[:, 0]
-        dt_bias = args.get("dt_bias")
+        x, dt, A, B, C, D, dt_bias, state = _terms(args, one_token=kind != "prefill")
         if dt_bias is not None:
-            dt_bias = dt_bias if kind == "prefill" else dt_bias[:, 0]
             dt = dt + dt_bias.to(dt.dtype)
         if args.get("dt_softplus"):
             dt = F.softplus(dt)
@@ -75,8 +61,22 @@ class Mamba2Adapter:
         (:func:`sketchcal.kernels.common.prepare.mamba2_inputs`; ``inputs`` is its reference)."""
         from sketchcal.kernels.common.prepare import mamba2_inputs
 
-        return mamba2_inputs(args, dtype)
+        x, dt, A, B, C, D, dt_bias, _ = _terms(args, one_token="state" in args)
+        return mamba2_inputs(x, dt, A, B, C, D, dt_bias, softplus=bool(args.get("dt_softplus")), dtype=dtype)
 
     def pre_gate_output(self, kind: str, result: Any) -> Tensor:
         out = first_output(result)
         return out if kind == "prefill" else out[:, None]
+
+
+def _terms(args: ArgMap, *, one_token: bool) -> tuple[Tensor, ...]:
+    """(x [B, T, H, P], dt [B, T, H], A [H], B, C [B, T, G, N], D [H] or None, dt_bias [H] or None,
+    initial state) of a call: a prefill call's arguments as they are; a one-token call's with T = 1
+    and the per-head parameters taken from their broadcasts over head_dim / d_state."""
+    x, dt, A, B, C = (args[n] for n in ("hidden_states", "dt", "A", "B", "C"))
+    D, dt_bias = args.get("D"), args.get("dt_bias")
+    if not one_token:
+        return x, dt, A, B, C, D, dt_bias, args.get("initial_states")
+    D = None if D is None else D[:, 0]
+    dt_bias = None if dt_bias is None else dt_bias[:, 0]
+    return x[:, None], dt[:, None, :, 0], A[:, 0, 0], B[:, None], C[:, None], D, dt_bias, args.get("state")

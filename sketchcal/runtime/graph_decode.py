@@ -74,8 +74,8 @@ class GraphDecoder:
         self.runtime: Runtime | None = runtime_of(model)
         if self.graphs and self.runtime is not None and self.runtime.backend not in ("triton", "public"):
             raise SketchcalError(
-                "graph decoding runs the recurrent layers on the Triton kernels; enable the runtime with "
-                "backend='triton' (or 'auto' on a GPU), or pass graphs=False"
+                "graph decoding runs the recurrent layers on GPU kernels; enable the runtime with "
+                "backend='triton' (or 'auto' on a GPU, or 'public'), or pass graphs=False"
             )
         windowed = self.runtime is not None and self.runtime.mode != "standard"
         self.phases = self.runtime.window if windowed else 1

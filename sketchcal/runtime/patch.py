@@ -249,6 +249,10 @@ class Runtime:
         return reg
 
     def _new_state(self, layer: int, checkpoint: Tensor) -> Any:
+        if self.backend == "public":
+            from sketchcal.runtime.public_state import PublicStandardState
+
+            return PublicStandardState(self.spec.family, checkpoint.float(), layer=layer)
         common = dict(
             window=self.window,
             precision=self.precision,
@@ -256,10 +260,6 @@ class Runtime:
             layer=layer,
             probe=self.probe,
         )
-        if self.backend == "public":
-            from sketchcal.runtime.public_state import PublicStandardState
-
-            return PublicStandardState(self.spec.family, checkpoint.float(), layer=layer)
         if self.backend == "triton":
             from sketchcal.runtime.kernel_state import make_kernel_state
 
@@ -420,9 +420,9 @@ def _resolve_backend(
         raise SketchcalError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if backend == "reference":
         return backend
-    if backend == "public":
-        return _public_backend(mode, spec, probe, devices)
     on_cuda = bool(devices) and all(d.type == "cuda" for d in devices)
+    if backend == "public":
+        return _public_backend(mode, spec, probe, on_cuda)
     if backend == "auto" and not on_cuda:
         return "reference"
     try:
@@ -444,7 +444,7 @@ def _resolve_backend(
     raise SketchcalError(f"backend='triton': {why}; use backend='reference'")
 
 
-def _public_backend(mode: str, spec: ModelSpec, probe: Probe | None, devices: list) -> str:
+def _public_backend(mode: str, spec: ModelSpec, probe: Probe | None, on_cuda: bool) -> str:
     """``public`` where it can run, else a one-line error saying what to change."""
     from sketchcal.kernels import public
     from sketchcal.runtime.kernel_state import interpreting
@@ -455,7 +455,7 @@ def _public_backend(mode: str, spec: ModelSpec, probe: Probe | None, devices: li
         )
     if probe is not None:
         raise SketchcalError("backend='public' takes no probe; use backend='reference'")
-    if not interpreting() and not (devices and all(d.type == "cuda" for d in devices)):
+    if not on_cuda and not interpreting():
         raise SketchcalError("backend='public' runs public CUDA kernels: move the model to a GPU")
     why = public.available(spec.family)
     if why is not None:

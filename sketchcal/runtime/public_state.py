@@ -28,7 +28,6 @@ class PublicStandardState:
     """One layer's states [B, H, K, V] fp32, stored in the public kernel's layout."""
 
     mode = "standard"
-    input_dtype = torch.float32
 
     def __init__(self, family: str, state: Tensor, *, layer: int | None = None):
         self.family, self.layer = family, layer

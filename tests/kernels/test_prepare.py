@@ -144,9 +144,9 @@ def test_fused_mamba2_inputs_match_the_adapter(shape, softplus, skip, bias, in_d
 
 
 def test_fused_mamba2_inputs_refuse_bad_groups():
-    from sketchcal.kernels.common.prepare import mamba2_inputs
+    from sketchcal.models.mamba2 import Mamba2Adapter
 
     args = mamba2_args(MAMBA2_SHAPES[0], torch.float32, 3, softplus=True, skip=True, bias=True)
     args["B"] = args["B"][:, :1].expand(-1, 3, -1)  # 3 groups do not divide 4 heads
     with pytest.raises(ValueError, match="G dividing H"):
-        mamba2_inputs(args, torch.float32)
+        Mamba2Adapter.fused_inputs(args, torch.float32)

@@ -168,16 +168,14 @@ def _mamba2_prepare_kernel(
         tl.store(q_out + base + on, tl.load(cmat + base + on, mask=mn).to(q_out.dtype.element_ty), mask=mn)
 
 
-def mamba2_inputs(args: dict, dtype: torch.dtype) -> StepInputs:
-    """Kernel-layout :class:`StepInputs` of a Mamba-2 decode call (``state`` among the arguments) or
-    of a prefill call continuing a state (shapes in the module docstring): k, q [B, T, G, N], w and
-    skip [B, T, H, P] in ``dtype``, decay [B, T, H] fp32, all contiguous."""
-    x, dt, a, bm, cm = (args[n] for n in ("hidden_states", "dt", "A", "B", "C"))
-    d, bias = args.get("D"), args.get("dt_bias")
-    if "state" in args:  # one token; per-head parameters broadcast over P (and N)
-        x, dt, bm, cm, a = x[:, None], dt[:, None, :, 0], bm[:, None], cm[:, None], a[:, 0, 0]
-        d = None if d is None else d[:, 0]
-        bias = None if bias is None else bias[:, 0]
+def mamba2_inputs(
+    x: Tensor, dt: Tensor, a: Tensor, bm: Tensor, cm: Tensor, d: Tensor | None, bias: Tensor | None, *,
+    softplus: bool, dtype: torch.dtype,
+) -> StepInputs:  # fmt: skip
+    """Kernel-layout :class:`StepInputs` of a Mamba-2 call's x [B, T, H, P], dt [B, T, H], A [H],
+    B, C [B, T, G, N], D and dt_bias [H] (or None; a one-token call's per-head parameters taken from
+    their broadcasts by the adapter): k, q [B, T, G, N], w and skip [B, T, H, P] in ``dtype``, decay
+    [B, T, H] fp32, all contiguous."""
     b, t, heads, pd = x.shape
     grp, nd = bm.shape[-2:]
     if heads % grp or tuple(bm.shape) != (b, t, grp, nd) or cm.shape != bm.shape:
@@ -199,7 +197,7 @@ def mamba2_inputs(args: dict, dtype: torch.dtype) -> StepInputs:
             dt2.stride(0), dt2.stride(1), a.stride(0), 0 if d is None else d.stride(0),
             0 if bias is None else bias.stride(0),
             H=heads, G=grp, P=pd, N=nd, BP=next_pow2(pd), BN=next_pow2(nd),
-            SOFTPLUS=bool(args.get("dt_softplus")), HAS_D=d is not None, HAS_BIAS=bias is not None,
+            SOFTPLUS=softplus, HAS_D=d is not None, HAS_BIAS=bias is not None,
             num_warps=1,
         )  # fmt: skip
     return StepInputs(k=k_out, q=q_out, w=w_out, decay=decay, beta=None, skip=skip)
