@@ -105,6 +105,7 @@ def test_table_without_a_generate_row():
         (["--batch", "64,x"], "--batch"),
         (["qwen3.5-4b"], "--e2e"),
         (["--e2e"], "MODEL"),
+        (["nemotron-3-nano", "--e2e", "--prefill-rows", "0"], "--prefill-rows"),
     ],
 )
 def test_bench_refusals_are_one_line(monkeypatch, capsys, args, says):

@@ -240,6 +240,8 @@ def run_e2e(
     """Decode throughput of ``model_name`` at each batch size in each mode (see the module docstring)."""
     from sketchcal.ui import progress_bar
 
+    if prefill_rows is not None and prefill_rows < 1:
+        raise SketchcalError(f"--prefill-rows must be at least 1, got {prefill_rows}")
     if not torch.cuda.is_available():
         raise SketchcalError("sketchcal bench --e2e needs a CUDA device and none is visible to torch")
     if unknown := set(modes) - set(MODES):
