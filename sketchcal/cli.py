@@ -180,6 +180,9 @@ def bench(
     staggered: Annotated[
         bool, typer.Option(help="Kernels: also time windows in staggered phases (each step flushes ~B/L)")
     ] = False,
+    paged: Annotated[
+        bool, typer.Option(help="Kernels: window pools laid out as vLLM's pages (the plugin's GPU path)")
+    ] = False,
     prompt_len: Annotated[int, typer.Option(help="--e2e: prompt tokens per sequence")] = 1024,
     new_tokens: Annotated[int, typer.Option(help="--e2e: decoded tokens per sequence")] = 256,
     modes: Annotated[
@@ -234,7 +237,9 @@ def bench(
             raise SketchcalError(f"unknown --family {family!r}; choose mamba2, gdn or kda")
         results = []
         for b in batches:
-            r = run_bench(family, b, rank, window, read_dtype, pools, tune=tune, staggered=staggered)
+            r = run_bench(
+                family, b, rank, window, read_dtype, pools, tune=tune, staggered=staggered, paged=paged
+            )
             print_bench(r)
             results.append(r)
         results = results[0] if len(results) == 1 else results

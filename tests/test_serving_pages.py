@@ -26,10 +26,10 @@ BLOCKS = 7
 RANKS = [4, 8, 0, 12]
 
 
-def pack_pages(shapes, dtypes, blocks: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def pack_pages(shapes, dtypes, blocks: int, device="cpu") -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Raw pages [blocks, bytes] and the per-state views [blocks, *shape], as vLLM binds them."""
     sizes = [prod(s) * d.itemsize for s, d in zip(shapes, dtypes, strict=True)]
-    raw = torch.zeros(blocks, sum(sizes) + 24, dtype=torch.uint8)  # + vLLM's padding
+    raw = torch.zeros(blocks, sum(sizes) + 24, dtype=torch.uint8, device=device)  # + vLLM's padding
     views, offset = [], 0
     for shape, dtype, size in zip(shapes, dtypes, sizes, strict=True):
         views.append(raw[:, offset : offset + size].view(dtype).view(-1, *shape))
@@ -64,17 +64,21 @@ def kernel_layout(xs: list[StepInputs], t: int) -> StepInputs:
     return StepInputs(**cat)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("fam", ["mamba2", "gdn", "kda"])
 @pytest.mark.parametrize("mode", ["replay", "sketch"])
-def test_pages_decode_as_the_reference(fam, mode):
+def test_pages_decode_as_the_reference(fam, mode, device):
+    """On a CPU the decode branch runs the float64 reference, on CUDA the Triton kernels (a paged
+    pool: the read and the sweep); fp32 pages, so both are held to fp32 rounding."""
     gen = torch.Generator().manual_seed(0)
     tables = random_sketch(fam, RANKS, G, K, gen) if mode == "sketch" else None
     rows = 0 if tables is None else tables.map_rows
     plan = PagePlan(fam, H, G, K, V, L, torch.float32, torch.float32, rows)
     # vLLM's own states first: a conv state and the recurrent state, value-major [H, V, K] like Mamba-2's
-    raw, views = pack_pages(((3, 8), (H, V, K), *plan.shapes), (torch.float32,) * 2 + plan.dtypes, BLOCKS)
+    shapes, dtypes = ((3, 8), (H, V, K), *plan.shapes), (torch.float32,) * 2 + plan.dtypes
+    raw, views = pack_pages(shapes, dtypes, BLOCKS, device)
     pool, cursor = plan.pool(views[1].transpose(-1, -2), views[2:])
-    decoder = WindowDecoder(fam, L, tables)
+    decoder = WindowDecoder(fam, L, None if tables is None else tables.to(device))
 
     # three sequences in blocks 5, 2, 3, starting at steps 0, 2 and 5 from random states
     blocks, starts, steps = [5, 2, 3], [0, 2, 5], 14
@@ -91,14 +95,14 @@ def test_pages_decode_as_the_reference(fam, mode):
             if step == start:  # vLLM's prefill wrote the state; the window restarts
                 cursor[b] = 3  # a stale cursor from the block's previous owner
                 views[1][b] = s0[i].transpose(-1, -2)
-                decoder.settle(pool, cursor, torch.tensor([b]), buffered=False)
+                decoder.settle(pool, cursor, torch.tensor([b], device=device), buffered=False)
         live = [i for i, start in enumerate(starts) if step >= start]
         order = live[::-1]  # rows in any order, with padding rows between them
         rows = [blocks[i] for i in order]
         batch = kernel_layout([xs[i].tokens(slice(step - starts[i], None)) for i in order], 0)
         batch = batch.map(lambda t: torch.cat([t, t.new_zeros((2, *t.shape[1:]))]))  # two padding rows
-        ids = torch.tensor([*rows, NULL_BLOCK, NULL_BLOCK])
-        out = decoder.step(pool, cursor, ids, batch)
+        ids = torch.tensor([*rows, NULL_BLOCK, -1], device=device)  # vLLM pads with the null block (or -1)
+        out = decoder.step(pool, cursor, ids, batch.map(lambda t: t.to(device))).cpu()
         assert torch.equal(out[len(rows) :], torch.zeros_like(out[len(rows) :]))
         for r, i in enumerate(order):
             outs[i].append(out[r, 0])
@@ -115,7 +119,7 @@ def test_pages_decode_as_the_reference(fam, mode):
         # the checkpoint in the page is the exact state at the last flush
         n = (steps - starts[i]) // L * L
         _, s_flush = recurrence(fam_ref, x.tokens(slice(0, n)), s0[i].double()[None])
-        torch.testing.assert_close(pool.state[blocks[i]].double(), s_flush[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(pool.state[blocks[i]].cpu().double(), s_flush[0], rtol=1e-5, atol=1e-5)
 
 
 def test_fold_before_vllm_continues_a_sequence():
@@ -174,3 +178,34 @@ def test_synthetic_sketch_of_the_plugin_tests_is_a_valid_artifact(tmp_path, mode
     f.write_bytes(bytes(data))
     with pytest.raises(SketchcalError):
         read_sketch(tmp_path, config=tmp_path)
+
+
+def _engine_config(architecture: str, device: str):
+    """The parts of a vLLM config ``serve_settings`` reads before it opens the model (stand-ins:
+    these refusals come first)."""
+    from types import SimpleNamespace as NS
+
+    model = NS(model="m", revision=None, architecture=architecture, hf_config=NS(sketch_config={}))
+    return NS(
+        model_config=model,
+        additional_config={},
+        cache_config=NS(enable_prefix_caching=False, mamba_cache_mode="none"),
+        parallel_config=NS(tensor_parallel_size=1),
+        speculative_config=None,
+        device_config=NS(device_type=device),
+    )
+
+
+@pytest.mark.parametrize(
+    ("architecture", "device", "says"),
+    [
+        ("Qwen3_5ForCausalLM", "cuda", "on a CPU only for now"),
+        ("NemotronHForCausalLM", "xpu", "a CPU or an NVIDIA GPU, not xpu"),
+    ],
+)
+def test_devices_the_plugin_does_not_serve_are_refused(architecture, device, says):
+    from sketchcal.serving.vllm.settings import serve_settings
+
+    with pytest.raises(SketchcalError, match=says) as err:
+        serve_settings(_engine_config(architecture, device))
+    assert "\n" not in str(err.value)

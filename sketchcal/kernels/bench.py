@@ -14,7 +14,10 @@ For one family and batch size it times, side by side in one run:
   step flushes the ~B/L sequences at the end of theirs and reads the others; the flush on a side
   stream beside the reads, and before them on one stream), as continuous batching leaves them
   unless the engine aligns its flushes (one flush of the whole batch runs nearer the bandwidth than
-  L flushes of B/L sequences).
+  L flushes of B/L sequences);
+- with ``paged``, the window pools laid out as vLLM's pages (``testing.paged``: each slot's part of
+  a tensor a page apart, the checkpoint value-major), as the vLLM plugin decodes on a GPU: the forms
+  that take slot strides run (``dispatch.PAGED_FORMS``).
 
 Every timing replays a CUDA graph over ``pools`` (≥ 4) independent state pools in turn, so the
 state is never L2-resident. Bytes follow the project's byte model (each tensor read or written
@@ -45,6 +48,7 @@ from sketchcal.kernels.common.pool import (
     rank_spread,
 )
 from sketchcal.kernels.common.recurrence import StepInputs
+from sketchcal.kernels.common.testing import paged as page_layout
 from sketchcal.kernels.common.testing import random_inputs
 from sketchcal.kernels.dispatch import DEFAULT_CONFIGS, KERNEL_OPS, KernelConfig
 
@@ -522,6 +526,7 @@ def run_bench(
     replays: int = 10,
     seed: int = 0,
     staggered: bool = False,
+    paged: bool = False,
     _cpu_dry_run: bool = False,
 ) -> dict:
     """Time the decode kernels of ``family`` at ``batch`` sequences; see the module docstring.
@@ -546,6 +551,8 @@ def run_bench(
         raise SketchcalError(f"--read-dtype must be one of {', '.join(READ_DTYPES)}, got {read_dtype!r}")
     if pools < 1 or batch < 1:
         raise SketchcalError("--batch and --pools must be positive")
+    if paged and tune:
+        raise SketchcalError("--paged times the forms paged pools run; drop --tune")
     if candidates is not None and (set(candidates) - set(TUNED_KERNELS) or not all(candidates.values())):
         raise SketchcalError(
             f"candidates: give a non-empty list per kernel, kernels among {', '.join(TUNED_KERNELS)}"
@@ -577,7 +584,7 @@ def run_bench(
         pool.read.copy_(pool.state)
         if pool.sketch is not None:  # (drawn in fp32: torch has no fp8 normal_)
             pool.sketch.copy_(0.3 * torch.randn(pool.sketch.shape, device=dev))
-        return pool
+        return page_layout(pool) if paged else pool
 
     plist = [make_pool() for _ in range(pools)]
     xs = [random_inputs(family, batch, 1, h, g, kd, vd, device=dev) for _ in range(window)]
@@ -585,6 +592,11 @@ def run_bench(
     raw = _mamba_raw(xs, h, dev) if family == "mamba2" else {}
     timer = _Timer(cuda, replays)
     cfg = _configs(family, configs, rd)
+    if paged:  # what runs on a paged pool
+        cfg = {
+            k: c if k == "standard" else dispatch.runnable(c, family, plist[0], tables, 1)
+            for k, c in cfg.items()
+        }
 
     # the standard step's own copies of the states, in standard pools as the runtime keeps them
     std_states = [
@@ -780,6 +792,7 @@ def run_bench(
         device=torch.cuda.get_device_name(dev) if cuda else "cpu (dry run)",
         torch=torch.__version__,
         copy_tbps=copy_tbps,
+        paged=paged,
         configs={k: asdict(v) for k, v in cfg.items()},
         tuning=tuning,
         ops=ops,
@@ -810,6 +823,7 @@ def print_bench(result: dict, console=None) -> None:
     title = (
         f"{result['model']} · batch {result['batch']} · L={result['window']} · mean rank "
         f"{result['mean_rank']:.1f} · {result['device']} · copy {result['copy_tbps']:.2f} TB/s"
+        + (" · vLLM page layout" if result.get("paged") else "")
     )
     table = Table(title=title)
     for col in ("op", "µs", "MB", "TB/s", "of copy"):

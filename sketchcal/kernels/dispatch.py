@@ -24,7 +24,9 @@ device). Where a form cannot run it hands over to a fallback (:func:`runnable`):
 read to the one-kernel read (several tokens, a pool without a workspace), a Gluon flush to a Triton
 one (the CPU interpreter, fp32 buffered inputs, a Triton without Gluon, a pool the KDA kernel's
 layouts do not cover): Mamba-2's chunked flush with the same shape, KDA's sweep
-(:data:`SWEEP_FALLBACK`).
+(:data:`SWEEP_FALLBACK`). A paged pool (each slot's part of a tensor contiguous, any slot stride,
+the checkpoint possibly value-major: vLLM's pages, ``pool.check_paged``) is served by the forms that
+take slot strides (:data:`PAGED_FORMS`): the one-kernel read and the sweep.
 
 Every family keeps its checkpoint in the model's own frame, so the state is the model's exact fp32
 recurrence and no per-step rotation of k or q is needed. The sketch of a head of rank m is the
@@ -49,6 +51,8 @@ from sketchcal.kernels.common.pool import (
     SketchTables,
     allocate_pool,
     check_family,
+    check_paged,
+    is_dense,
 )
 from sketchcal.kernels.common.recurrence import StepInputs
 from sketchcal.kernels.common.triton_helpers import CHUNK_MIN, clip_block_v, interpreting
@@ -220,8 +224,10 @@ FP8_CONFIGS: dict[tuple[str, str], KernelConfig] = {
     ("replay", "mamba2"): _K("read", 64, 1, maxnreg=96),
 }
 
-# KDA's flush where its Gluon sweep cannot run: Triton's sweep
+# KDA's flush where its Gluon sweep cannot run, and every family's on a paged pool: Triton's sweep
 SWEEP_FALLBACK = _K("sweep", 16, 1, vec=4, maxnreg=128)
+# the forms that index a pool by slot strides (vLLM's pages: see ``pool.check_paged``)
+PAGED_FORMS = ("read", "sweep")
 
 
 def default_config(kernel: str, family: str, read_dtype: torch.dtype | None = None) -> KernelConfig:
@@ -268,6 +274,8 @@ def runnable(
     cfg: KernelConfig, family: str, pool: DecodePool, tables: SketchTables | None, tokens: int
 ) -> KernelConfig:
     """``cfg``, or its fallback where its kernel cannot run on this call (see the module docstring)."""
+    if not is_dense(pool) and cfg.form not in PAGED_FORMS:
+        return replace(cfg, form="read") if FORMS[cfg.form].op == "read" else SWEEP_FALLBACK
     if cfg.form == "split_read":
         from sketchcal.kernels.mamba2 import read_split
 
@@ -342,8 +350,7 @@ def _window_pool(pool: DecodePool, sketch: bool) -> tuple[int, int]:
         raise ValueError("a window pool (capacity > 0) is needed")
     if sketch and pool.sketch is None:
         raise ValueError("sketch mode needs a pool with a sketch tensor (allocate_pool(sketch_rows=M))")
-    if not pool.state.is_contiguous():
-        raise ValueError("the window kernels need a key-major (contiguous [N, H, K, V]) state")
+    check_paged(pool)
     kd, vd = pool.state.shape[2:]
     if kd < CHUNK_MIN or vd < CHUNK_MIN:
         raise ValueError(f"the window kernels need K, V ≥ {CHUNK_MIN} (tensor-core tiles); K={kd}, V={vd}")

@@ -74,7 +74,11 @@ PTR = {
 def _compile(fn, consts: dict, num_warps: int, maxnreg: int = 0, gluon: bool = False):
     if not gluon:  # as launched on a Hopper device: programmatic dependent launch
         consts = dict(consts, PDL=True)
-    sig = {n: "constexpr" if n in consts else PTR.get(n, "*fp32") for n in fn.arg_names}
+    # ss_*: slot strides (int32)
+    sig = {
+        n: "constexpr" if n in consts else "i32" if n.startswith("ss_") else PTR.get(n, "*fp32")
+        for n in fn.arg_names
+    }
     # as at a real launch: every pointer (torch allocations) and the strides are 16-divisible
     attrs = {
         (i,): [["tt.divisibility", 16]]
@@ -145,6 +149,8 @@ def build(kernel: str, family: str, cfg: KernelConfig, sketch: bool = True, toke
             M=32,
             SKETCH=sketch,
             LOG2_DECAY=family == "kda",
+            PAGED=False,
+            RD_VM=False,
             **read.read_options(cfg, s.key_dim),
             **common,
         )
@@ -169,7 +175,9 @@ def build(kernel: str, family: str, cfg: KernelConfig, sketch: bool = True, toke
         return _compile(flush_chunk._flush_chunk_kernel, consts, nw, cap)
     from sketchcal.kernels.common import flush
 
-    consts = dict(common, C=16, **flags, VEC=cfg.vec, PREFETCH=prefetch_enabled(cfg.prefetch))
+    prefetch = prefetch_enabled(cfg.prefetch)
+    layout = dict(PAGED=False, ST_VM=False, RD_VM=False)
+    consts = dict(common, C=16, **flags, VEC=cfg.vec, PREFETCH=prefetch, **layout)
     return _compile(flush._flush_kernel, consts, nw, cap)
 
 

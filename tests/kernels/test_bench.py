@@ -287,3 +287,24 @@ def test_fp8_pools_take_the_shapes_tuned_for_fp8():
             )
         assert bench._configs(family, None, fp8)[kernel] == cfg
     assert bench._configs("gdn", None, fp8)["sketch"] == dispatch.DEFAULT_CONFIGS[("sketch", "gdn")]
+
+
+def test_paged_dry_run_runs_the_forms_that_take_slot_strides():
+    """``--paged`` times the window on pools laid out as vLLM's pages: the configs it reports are
+    the ones that run there."""
+    shape = bench.ModelShape("tiny", heads=4, groups=2, key_dim=16, value_dim=V)
+    r = bench.run_bench(
+        "mamba2", 2, rank=4, window=4, pools=1, shape=shape, anchor=False, replays=1, paged=True,
+        _cpu_dry_run=True,
+    )  # fmt: skip
+    assert r["paged"]
+    forms = {k: c["form"] for k, c in r["configs"].items()}
+    assert forms == {
+        "standard": "standard",
+        "replay": "read",
+        "sketch": "read",
+        "flush_replay": "sweep",
+        "flush_sketch": "sweep",
+    }
+    with pytest.raises(SketchcalError, match="drop --tune"):
+        bench.run_bench("gdn", 2, tune=True, paged=True, _cpu_dry_run=True)

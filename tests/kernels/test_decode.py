@@ -17,6 +17,7 @@ from sketchcal.kernels import dispatch
 from sketchcal.kernels.common import reference as ref
 from sketchcal.kernels.common import triton_helpers
 from sketchcal.kernels.common.pool import SketchTables, random_sketch, rank_spread
+from sketchcal.kernels.common.testing import paged as as_pages
 from sketchcal.kernels.common.testing import random_inputs, random_pool
 
 FAMILIES = ["mamba2", "gdn", "kda"]
@@ -62,6 +63,7 @@ def run_case(
     fp32_tol: float = 1e-5,
     tokens: int | None = None,
     capacity: int | None = None,
+    paged: bool = False,
 ):
     h, g, kd, vd = shape
     dtype = DTYPES.get(dtype_name, torch.bfloat16)
@@ -93,7 +95,11 @@ def run_case(
     out = torch.full((b, tokens, h, vd), float("nan"), dtype=dtype, device=device)
     if op == "standard_vm":  # the same values, stored value-major
         pool = replace(pool, state=pool.state.transpose(-1, -2).contiguous().transpose(-1, -2))
+    if paged:  # the same values in vLLM's page layout
+        pool = as_pages(pool)
     before, want_pool = pool.clone(), pool.clone()
+    if pool.read is pool.state:  # an fp32 page's read copy is its checkpoint
+        want_pool.read = want_pool.state
     if op.startswith("standard"):
         got = dispatch.standard_step(family, pool, slots, x, out)
         want = ref.standard_step(family, want_pool, slots, x)
@@ -557,6 +563,43 @@ def test_bad_inputs_raise():
         dispatch.standard_step(family, pool, torch.tensor([0, 1], dtype=torch.int32), x)
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("op", ["replay", "sketch", "flush", "flush_sketch"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_paged_pool_cpu(family, op, dtype):
+    """vLLM's pages: every tensor's slot parts a page apart, the checkpoint value-major (and the
+    read copy when it is fp32); the default kernels hand over to the read and the sweep."""
+    run_case(family, op, CPU_SHAPES[family][0], dtype, "cpu", paged=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("op", ["replay", "sketch", "flush", "flush_sketch"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_paged_pool_gpu(family, op, dtype):
+    run_case(family, op, GPU_SHAPES[family], dtype, "cuda", real=True, paged=True)
+
+
+def test_paged_pools_take_the_forms_that_take_slot_strides():
+    tables = random_sketch("mamba2", [4, 4, 8, 8], 2, 16)
+    dense = random_pool("mamba2", 3, 4, 2, 16, 16, capacity=4, sketch_rows=tables.map_rows)
+    pool = as_pages(dense)
+    for kernel in ("replay", "sketch", "flush_replay", "flush_sketch"):
+        cfg = dispatch.default_config(kernel, "mamba2")
+        assert dispatch.runnable(cfg, "mamba2", pool, tables, 1).form in dispatch.PAGED_FORMS
+    split = dispatch.default_config("sketch", "mamba2")
+    assert dispatch.runnable(split, "mamba2", dense, tables, 1) == split  # a dense pool: the table's
+
+
+def test_a_pool_with_strided_slot_parts_is_refused():
+    pool = random_pool("gdn", 3, 2, 2, 16, 16, capacity=4)
+    pool = replace(pool, buf_w=pool.buf_w.transpose(2, 3).contiguous().transpose(2, 3))
+    x = random_inputs("gdn", 1, 1, 2, 2, 16, 16)
+    zero = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"pool\.buf_w: each slot's part must be contiguous"):
+        dispatch.replay_step("gdn", pool, zero, zero, x)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("op", "dtype"),
@@ -601,6 +644,7 @@ def test_pipelined_flush_needs_gluon(monkeypatch):
     cuda_pool = SimpleNamespace(state=SimpleNamespace(is_cuda=True), buf_k=bf16, buf_w=bf16)
     config = dispatch.KernelConfig("gluon_chunk", 64, 4, per_sm=3)
     monkeypatch.setattr(dispatch, "interpreting", lambda: False)
+    monkeypatch.setattr(dispatch, "is_dense", lambda pool: True)  # the stand-in is a dense pool
     assert dispatch.gluon_available()  # this Triton has it: the CUDA pool would take the Gluon kernel
     assert dispatch.gluon_flush_runs(config, "mamba2", cuda_pool)
     assert not dispatch.gluon_flush_runs(config, "gdn", cuda_pool)
@@ -683,6 +727,7 @@ def test_kda_gluon_flush_takes_the_pools_its_layouts_cover(monkeypatch):
     a multiple of 32, one head per group and at most 16 buffered tokens; other pools take Triton's
     sweep (``SWEEP_FALLBACK``)."""
     monkeypatch.setattr(dispatch, "interpreting", lambda: False)
+    monkeypatch.setattr(dispatch, "is_dense", lambda pool: True)  # the stand-ins are dense pools
 
     def pool(h=32, g=32, kd=128, vd=128, cap=16):
         bf16 = SimpleNamespace(dtype=torch.bfloat16, shape=(1, g, cap, kd))
@@ -976,8 +1021,9 @@ def test_window_in_cuda_graph_with_dependent_launch_gpu(family, monkeypatch):
 
 
 def test_value_major_state_is_for_the_standard_step_only():
-    """A value-major state runs the standard step; a window pool cannot be value-major, a window
-    kernel refuses one made by hand, and a state in neither storage order is refused."""
+    """A value-major state runs the standard step; ``allocate_pool`` makes no value-major window
+    pool, one made by hand (as vLLM's pages hold it) reads as the key-major one, and a state in
+    neither storage order is refused."""
     family, (h, g, kd, vd) = "gdn", CPU_SHAPES["gdn"][0]
     with pytest.raises(ValueError, match="standard pool"):
         dispatch.allocate_pool(family, 2, h, g, kd, vd, capacity=4, value_major=True)
@@ -985,8 +1031,9 @@ def test_value_major_state_is_for_the_standard_step_only():
     slots, pos = torch.tensor([0, 1], dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
     x = random_inputs(family, 2, 1, h, g, kd, vd)
     vm = replace(pool, state=pool.state.transpose(-1, -2).contiguous().transpose(-1, -2))
-    with pytest.raises(ValueError, match="key-major"):
-        dispatch.replay_step(family, vm, slots, pos, x)
+    torch.testing.assert_close(
+        dispatch.replay_step(family, vm, slots, pos, x), dispatch.replay_step(family, pool, slots, pos, x)
+    )
     odd = torch.zeros(2, kd, h, vd).permute(0, 2, 1, 3)  # [N, H, K, V] with heads inside keys
     with pytest.raises(ValueError, match="contiguous"):
         dispatch.standard_step(family, odd, slots, x)

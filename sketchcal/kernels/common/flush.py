@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from sketchcal.kernels.common.pool import DecodePool, SketchTables
+from sketchcal.kernels.common.pool import DecodePool, SketchTables, is_dense, slot_strides, value_major
 from sketchcal.kernels.common.recurrence import StepInputs
 from sketchcal.kernels.common.triton_helpers import (
     FAMILY_ID,
@@ -37,20 +37,23 @@ from sketchcal.kernels.common.triton_helpers import (
     prefetch_enabled,
     step_emit,
     store_read_copy,
+    tile_offsets,
 )
 
 
 @triton.jit
 def _flush_kernel(
     state, slots, pos, q, k, w, decay, beta, skip, out, buf_k, buf_w, buf_decay, buf_beta,  # flush_arguments
-    rd, read_rows, sk, ranks, frames, sk_head_stride,
+    rd, read_rows, sk, ranks, frames, sk_head_stride, ss_st, ss_bk, ss_bw, ss_bd, ss_bb, ss_rd, ss_sk,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     FAMILY: tl.constexpr, HAS_X: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_READ: tl.constexpr,
     ROWS: tl.constexpr, SKETCH_OUT: tl.constexpr, VEC: tl.constexpr, PREFETCH: tl.constexpr,
-    PDL: tl.constexpr,
+    PAGED: tl.constexpr, ST_VM: tl.constexpr, RD_VM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """The token-by-token flush on [K, BV] tiles of S (any family); ``PREFETCH``: see
-    ``KernelConfig.prefetch``."""
+    ``KernelConfig.prefetch``. ``PAGED``: the pool is not dense (``pool.is_dense``), each tensor's
+    slot part is at its slot stride ``ss_*`` (:func:`slot_args`); ``ST_VM`` / ``RD_VM``: the state /
+    read copy is stored value-major."""
     dependent_launch(PDL)
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -66,9 +69,16 @@ def _flush_kernel(
         # a true (smaller) contiguity bound: the tile's layout then gives each thread VEC columns
         o_v = tl.max_contiguous(o_v, VEC)
     live = s >= 0
-    hb = (s * H + i_h) * C
-    gb = (s * G + i_g) * C
-    p_s = state + (s * H + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :]
+    if PAGED:  # each tensor's slot part where its slot stride puts it; heads counted within it
+        buf_k, buf_w = buf_k + s * ss_bk, buf_w + s * ss_bw
+        buf_decay, buf_beta = buf_decay + s * ss_bd, buf_beta + s * ss_bb
+        state, rd, sk = state + s * ss_st, rd + s * ss_rd, sk + s * ss_sk
+        sh, sg = i_h, i_g
+    else:  # dense [N, ...] arrays: the head's and group's index over all slots
+        sh, sg = s * H + i_h, s * G + i_g
+    hb = sh * C
+    gb = sg * C
+    p_s = state + sh * (K * V) + tile_offsets(o_k, o_v, K, V, ST_VM)
     if PREFETCH:
         prefetch_buffer(buf_k, buf_w, buf_decay, buf_beta, hb, gb, n, i_v * BV, K, V, BV, C, FAMILY)
     S = tl.load(p_s, eviction_policy="evict_first")
@@ -97,11 +107,11 @@ def _flush_kernel(
         )
     tl.store(p_s, S, eviction_policy="evict_first")
     if HAS_READ:
-        p_r = rd + (s * H + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :]
+        p_r = rd + sh * (K * V) + tile_offsets(o_k, o_v, K, V, RD_VM)
         store_read_copy(S, p_r, read_rows, i_h, ROWS)
     if SKETCH_OUT:
         m = tl.load(ranks + i_h)
-        sk_h = sk + (s * H + i_h) * sk_head_stride
+        sk_h = sk + sh * sk_head_stride
         fr_g = frames + i_g * K * K  # R of this head's group, [K, K]
         # row by row on the FMA units: the sweep's tile layout is not a tensor-core operand's,
         # and converting it costs more than the m reductions over K. Row r + 1 of R is loaded
@@ -148,6 +158,15 @@ def flush_arguments(
     )
 
 
+def slot_args(pool: DecodePool, tables: SketchTables | None) -> tuple:
+    """The sweep's slot strides (``ss_st`` … ``ss_sk``), in the order of :func:`flush_arguments`'s
+    pool tensors; the other flushes index dense pools only."""
+    rd = pool.read if pool.read is not None else pool.state
+    sk = pool.sketch if tables is not None else pool.state
+    strides = slot_strides(pool, "state", "buf_k", "buf_w", "buf_decay", "buf_beta", fallback=pool.buf_decay)
+    return (*strides, rd.stride(0), sk.stride(0))
+
+
 def flush_flags(pool: DecodePool, tables: SketchTables | None, x: StepInputs | None) -> dict:
     """The constexprs every flush kernel takes besides the dims: a new token (and its skip), a read
     copy, sketch mode (the read copy's dense rows only, and the sketch written)."""
@@ -170,8 +189,10 @@ def launch(
     kd, vd = pool.state.shape[2:]
     bv = clip_block_v(cfg.block_v, vd)
     _flush_kernel[(vd // bv, h, slots.shape[0])](
-        *flush_arguments(pool, tables, slots, pos, x, out), H=h, G=g, K=kd, V=vd, BV=bv, C=pool.capacity,
+        *flush_arguments(pool, tables, slots, pos, x, out), *slot_args(pool, tables), H=h, G=g, K=kd, V=vd,
+        BV=bv, C=pool.capacity,
         FAMILY=FAMILY_ID[family], **flush_flags(pool, tables, x), VEC=cfg.vec,
-        PREFETCH=prefetch_enabled(cfg.prefetch),
+        PREFETCH=prefetch_enabled(cfg.prefetch), PAGED=not is_dense(pool), ST_VM=value_major(pool.state),
+        RD_VM=value_major(pool.read if pool.read is not None else pool.state),
         **launch_options(cfg.num_warps, cfg.maxnreg, pool.state.device),
     )  # fmt: skip

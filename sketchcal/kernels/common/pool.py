@@ -116,6 +116,54 @@ class DecodePool:
         return DecodePool(**{name: t.clone() for name, t in self.tensors().items()}, workspace=ws)
 
 
+def rows_contiguous(t: Tensor) -> bool:
+    """Whether each slot's part ``t[n]`` of a pool tensor [N, ...] is contiguous: the slot stride
+    may be anything (a page in vLLM's KV pool holds other tensors between two slots' parts)."""
+    inner = t.shape[1:]
+    expected = [1] * len(inner)
+    for i in range(len(inner) - 2, -1, -1):
+        expected[i] = expected[i + 1] * inner[i + 1]
+    return all(n == 1 or st == e for n, st, e in zip(inner, t.stride()[1:], expected, strict=True))
+
+
+def value_major(t: Tensor) -> bool:
+    """Whether a [N, H, K, V] state is stored value-major: each slot's part is the transpose of a
+    contiguous [H, V, K] (vLLM's layout of every family's recurrent state)."""
+    return rows_contiguous(t.transpose(-1, -2)) and not rows_contiguous(t)
+
+
+def is_dense(pool: DecodePool) -> bool:
+    """Whether every tensor of ``pool`` (scratch included) is a contiguous [N, ...] array, the state
+    key-major: what every kernel form indexes. Other pools (:func:`check_paged`) are served by the
+    one-kernel read and the sweep flush only."""
+    tensors = [t for t in (*pool.tensors().values(), pool.workspace) if t is not None]
+    return all(t.is_contiguous() for t in tensors)
+
+
+def check_paged(pool: DecodePool) -> None:
+    """Check the layout of a window pool whose tensors are views of per-slot pages (each slot's part
+    contiguous, any slot stride); its state, and its read copy when that is the state, may be
+    value-major.
+
+    Raises:
+        ValueError: a tensor whose slot parts are not contiguous."""
+    for name, t in pool.tensors().items():
+        vm_ok = name == "state" or (name == "read" and t is pool.state)
+        if not (rows_contiguous(t) or (vm_ok and value_major(t))):
+            layouts = "contiguous or value-major" if vm_ok else "contiguous"
+            raise ValueError(f"pool.{name}: each slot's part must be {layouts}, got strides {t.stride()}")
+
+
+def slot_strides(pool: DecodePool, *names: str, fallback: Tensor | None = None) -> tuple[int, ...]:
+    """The slot strides (elements) of the pool tensors ``names``; an absent one takes ``fallback``'s
+    (the placeholder a kernel is given in its place)."""
+    out = []
+    for name in names:
+        t = getattr(pool, name)
+        out.append((t if t is not None else fallback).stride(0))
+    return tuple(out)
+
+
 def workspace_layout(heads_per_group: int, map_rows: int, capacity: int) -> tuple[int, int]:
     """(row width, offset of the dots) of a Mamba-2 sketch pool's ``workspace`` row: each of a
     group's heads' ``map_rows`` coefficients, then the dots of the new token and ``capacity``

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from sketchcal.kernels.common.pool import DecodePool, SketchTables
+from sketchcal.kernels.common.pool import DecodePool, SketchTables, is_dense, slot_strides, value_major
 from sketchcal.kernels.common.recurrence import StepInputs
 from sketchcal.kernels.common.triton_helpers import (
     FAMILY_ID,
@@ -43,14 +43,18 @@ from sketchcal.kernels.common.triton_helpers import (
 @triton.jit
 def _read_kernel(
     slots, pos, q, k, w, decay, beta, skip, out, buf_k, buf_w, buf_decay, buf_beta, buf_logdecay, rd, sk,
-    ranks, maps, sk_head_stride, T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr,
+    ranks, maps, sk_head_stride, ss_bk, ss_bw, ss_bd, ss_bb, ss_bl, ss_rd, ss_sk,
+    T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr,
     V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, M: tl.constexpr, FAMILY: tl.constexpr,
     SKETCH: tl.constexpr, HAS_SKIP: tl.constexpr, GROUP: tl.constexpr, DENSE_ROWS: tl.constexpr,
-    EARLY_MAP: tl.constexpr, PREFETCH: tl.constexpr, LOG2_DECAY: tl.constexpr, PDL: tl.constexpr,
+    EARLY_MAP: tl.constexpr, PREFETCH: tl.constexpr, LOG2_DECAY: tl.constexpr, PAGED: tl.constexpr,
+    RD_VM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """The reads (replay, sketch, spec_verify). ``LOG2_DECAY`` (KDA): the buffered decays are read
     as log₂ in bf16 from ``buf_logdecay`` (half the bytes; the flush keeps the fp32 ones), which
-    each appended token also gets."""
+    each appended token also gets. ``PAGED``: the pool is not dense (``pool.is_dense``), each tensor's
+    slot part is at its slot stride ``ss_*`` (buf_k, buf_w, buf_decay, buf_beta, buf_logdecay, rd,
+    sk); ``RD_VM``: the read copy is value-major."""
     dependent_launch(PDL)
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -65,6 +69,13 @@ def _read_kernel(
     # token's inputs and query, the first 8 map rows (rows past the head's rank meet sketch rows
     # masked to zero).
     live, s, p = entry_slot(slots, pos, i_b)
+    if PAGED:  # each tensor's slot part where its slot stride puts it; heads counted within it
+        buf_k, buf_w, buf_decay = buf_k + s * ss_bk, buf_w + s * ss_bw, buf_decay + s * ss_bd
+        buf_beta, buf_logdecay = buf_beta + s * ss_bb, buf_logdecay + s * ss_bl
+        rd, sk = rd + s * ss_rd, sk + s * ss_sk
+        sh, sg = i_h, i_g
+    else:  # dense [N, ...] arrays: the head's and group's index over all slots
+        sh, sg = s * H + i_h, s * G + i_g
     m = tl.load(ranks + i_h) if SKETCH else 0
     x0 = i_b * T
     k0, w0, d0, b0 = load_token(
@@ -76,14 +87,14 @@ def _read_kernel(
         pm0 = first_map_rows(maps, i_h, o_k, K, M)
     else:
         pm0 = tl.zeros([8, K], dtype=tl.float32)
-    sk_h = sk + (s * H + i_h) * sk_head_stride
+    sk_h = sk + sh * sk_head_stride
     if SKETCH:
         # the first 8 sketch rows, in flight while the buffer is worked through
         st0 = tl.load(sk_h + o_r8[:, None] * V + o_v[None, :], mask=o_r8[:, None] < m, other=0.0)
     else:
         st0 = tl.zeros([8, BV], dtype=tl.float32)
-    hb = (s * H + i_h) * C  # this head's first buffer entry
-    gb = (s * G + i_g) * C  # this group's first buffer entry
+    hb = sh * C  # this head's first buffer entry
+    gb = sg * C  # this group's first buffer entry
     read_decays = buf_logdecay if LOG2_DECAY else buf_decay  # the buffered decays as the sweep reads them
     if PREFETCH:
         prefetch_buffer(buf_k, buf_w, read_decays, buf_beta, hb, gb, p, i_v * BV, K, V, BV, C, FAMILY)
@@ -116,7 +127,7 @@ def _read_kernel(
             if i_h % (H // G) == 0:
                 mk = o_k < tl.where(ok, K, 0)
                 tl.store(buf_k + (gb + jw) * K + o_k, k_new.to(buf_k.dtype.element_ty), mask=mk)
-    rd_h = rd + (s * H + i_h) * (K * V)
+    rd_h = rd + sh * (K * V)
     # entry 0 of this group's / head's buffer (the sweeps add 32-bit token offsets)
     DS: tl.constexpr = K if FAMILY == 2 else 1  # decay entries per token
     k_g = buf_k + gb * K
@@ -185,6 +196,7 @@ def _read_kernel(
             SKETCH,
             DENSE_ROWS,
             EARLY_MAP,
+            RD_VM,
         )
         if HAS_SKIP:
             o += tl.load(skip + (x_t * H + i_h) * V + o_v).to(tl.float32)
@@ -218,8 +230,13 @@ def launch(
         pool.buf_beta if pool.buf_beta is not None else pool.buf_decay,
         pool.buf_logdecay if pool.buf_logdecay is not None else pool.buf_decay, pool.read, sk,
         tables.ranks if sketch else slots, tables.maps if sketch else pool.buf_decay,
-        sk.shape[2] * sk.shape[3], T=t, H=h, G=g, K=kd, V=vd, BV=bv, C=pool.capacity,
+        sk.shape[2] * sk.shape[3],
+        *slot_strides(
+            pool, "buf_k", "buf_w", "buf_decay", "buf_beta", "buf_logdecay", fallback=pool.buf_decay
+        ),
+        pool.read.stride(0), sk.stride(0), T=t, H=h, G=g, K=kd, V=vd, BV=bv, C=pool.capacity,
         M=tables.map_rows if sketch else 1, FAMILY=FAMILY_ID[family], SKETCH=sketch,
-        HAS_SKIP=x.skip is not None, LOG2_DECAY=pool.buf_logdecay is not None, **read_options(cfg, kd),
+        HAS_SKIP=x.skip is not None, LOG2_DECAY=pool.buf_logdecay is not None,
+        PAGED=not is_dense(pool), RD_VM=value_major(pool.read), **read_options(cfg, kd),
         **launch_options(cfg.num_warps, cfg.maxnreg, pool.state.device),
     )  # fmt: skip

@@ -87,3 +87,31 @@ def random_pool(
         if pool.buf_beta is not None:
             pool.buf_beta.copy_(x.beta.transpose(1, 2))
     return pool
+
+
+def paged(pool: DecodePool, *, lead_bytes: int = 64) -> DecodePool:
+    """The same values in the layout of vLLM's pages: one byte page per slot that holds
+    ``lead_bytes`` of something else (vLLM's conv state), then each tensor's slot part, one after
+    the other; the state value-major (vLLM's layout), and the read copy the state itself when it is
+    fp32 (as the plugin's pages keep it). The workspace is dropped (a paged pool has none)."""
+    tensors = pool.tensors()
+    if tensors.get("read") is not None and tensors["read"].dtype == torch.float32:
+        del tensors["read"]
+    parts = {name: t[0].numel() * t.element_size() for name, t in tensors.items()}
+    page = lead_bytes + sum(-(-b // 16) * 16 for b in parts.values())
+    raw = torch.zeros(pool.slots, page, dtype=torch.uint8, device=pool.state.device)
+    out, offset = {}, lead_bytes
+    for name, t in tensors.items():
+        size = t.element_size()
+        flat = raw.view(t.dtype)[:, offset // size : (offset + parts[name]) // size]
+        if name == "state":  # [N, H, V, K] in the page, seen as [N, H, K, V]
+            n, h, kd, vd = t.shape
+            view = flat.view(n, h, vd, kd).transpose(-1, -2)
+        else:
+            view = flat.view(t.shape)
+        view.copy_(t)
+        out[name] = view
+        offset += -(-parts[name] // 16) * 16
+    if "read" not in out and pool.read is not None:
+        out["read"] = out["state"]
+    return DecodePool(**out)

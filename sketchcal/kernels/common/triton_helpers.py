@@ -297,18 +297,28 @@ def dot_ff(a, b, acc, TERMS: tl.constexpr, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def dense_read(v, rd_h, o_k, o_v, V: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr):
-    """``S_cᵀ v`` [BV] from the read copy of one head. ``ROWS`` > 0: ROWS rows at a time (a rolled
-    loop; each block's share of ``v`` is gathered from registers), so a [ROWS, BV] tile is live
-    instead of [K, BV]."""
+def tile_offsets(o_k, o_v, K: tl.constexpr, V: tl.constexpr, VM: tl.constexpr):
+    """Offsets [len(o_k), len(o_v)] of rows ``o_k`` and columns ``o_v`` of one head's [K, V] state
+    stored key-major, or value-major (``VM``: the transpose of a contiguous [V, K])."""
+    if VM:
+        return o_k[:, None] + o_v[None, :] * K
+    else:
+        return o_k[:, None] * V + o_v[None, :]
+
+
+@triton.jit
+def dense_read(v, rd_h, o_k, o_v, V: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr, VM: tl.constexpr):
+    """``S_cᵀ v`` [BV] from the read copy of one head (``VM``: stored value-major). ``ROWS`` > 0:
+    ROWS rows at a time (a rolled loop; each block's share of ``v`` is gathered from registers), so
+    a [ROWS, BV] tile is live instead of [K, BV]."""
     if ROWS == 0:
-        rc = tl.load(rd_h + o_k[:, None] * V + o_v[None, :]).to(tl.float32)
+        rc = tl.load(rd_h + tile_offsets(o_k, o_v, K, V, VM)).to(tl.float32)
         o = tl.sum(rc * v[:, None], axis=0)
     else:
         o_b = tl.arange(0, ROWS)
         o = tl.zeros([o_v.shape[0]], dtype=tl.float32)
         for k0 in range(0, K, ROWS):
-            rc = tl.load(rd_h + (k0 + o_b)[:, None] * V + o_v[None, :]).to(tl.float32)
+            rc = tl.load(rd_h + tile_offsets(k0 + o_b, o_v, K, V, VM)).to(tl.float32)
             o += tl.sum(rc * tl.gather(v, k0 + o_b, 0)[:, None], axis=0)
     return o
 
@@ -323,9 +333,10 @@ def first_map_rows(maps, i_h, o_k, K: tl.constexpr, M: tl.constexpr):
 @triton.jit
 def checkpoint_read(
     v, rd_h, sk_h, m, pm0, st0, maps, i_h, o_k, o_v, K: tl.constexpr, V: tl.constexpr, M: tl.constexpr,
-    SKETCH: tl.constexpr, ROWS: tl.constexpr, EARLY_MAP: tl.constexpr,
+    SKETCH: tl.constexpr, ROWS: tl.constexpr, EARLY_MAP: tl.constexpr, RD_VM: tl.constexpr,
 ):  # fmt: skip
-    """``S_cᵀ u`` from the read copy, or ``(R_{:m} S_c)ᵀ (P u)`` for a head of rank m > 0.
+    """``S_cᵀ u`` from the read copy (``RD_VM``: stored value-major), or ``(R_{:m} S_c)ᵀ (P u)`` for
+    a head of rank m > 0.
 
     ``pm0`` [8, K] and ``st0`` [8, BV] are the first 8 map and sketch rows, loaded by the caller
     before the buffer work so that their latency overlaps it (``pm0`` only if ``EARLY_MAP``: else
@@ -345,9 +356,9 @@ def checkpoint_read(
                 st = tl.load(sk_h + (r0 + o_r[:, None]) * V + o_v[None, :], mask=rows, other=0.0)
                 o += tl.sum(st.to(tl.float32) * coeff[:, None], axis=0)
         else:
-            o = dense_read(v, rd_h, o_k, o_v, V, K, ROWS)
+            o = dense_read(v, rd_h, o_k, o_v, V, K, ROWS, RD_VM)
     else:
-        o = dense_read(v, rd_h, o_k, o_v, V, K, ROWS)
+        o = dense_read(v, rd_h, o_k, o_v, V, K, ROWS, RD_VM)
     return o
 
 

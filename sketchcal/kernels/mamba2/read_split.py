@@ -256,7 +256,7 @@ def _head_kernel(
         for j in tl.static_range(HP):
             i_h = tl.program_id(1) * HP + j
             if tl.load(ranks + i_h) == 0:
-                dense = dense_read(qq, rd + (s * H + i_h) * (K * V), o_k, o_v, V, K, DENSE_ROWS)
+                dense = dense_read(qq, rd + (s * H + i_h) * (K * V), o_k, o_v, V, K, DENSE_ROWS, False)
                 ck = tl.where((o_hp == i_h)[:, None], dense[None, :], ck)
     o = z_new * w_new + d_new[:, None] * (acc + total[:, None] * ck)
     if HAS_SKIP:

