@@ -37,7 +37,7 @@ from sketchcal.kernels.common.triton_helpers import (
     prefetch_enabled,
     step_emit,
     store_read_copy,
-    tile_offsets,
+    tile_ptrs,
 )
 
 
@@ -78,7 +78,7 @@ def _flush_kernel(
         sh, sg = s * H + i_h, s * G + i_g
     hb = sh * C
     gb = sg * C
-    p_s = state + sh * (K * V) + tile_offsets(o_k, o_v, K, V, ST_VM)
+    p_s = tile_ptrs(state + sh * (K * V), o_k, o_v, K, V, ST_VM)
     if PREFETCH:
         prefetch_buffer(buf_k, buf_w, buf_decay, buf_beta, hb, gb, n, i_v * BV, K, V, BV, C, FAMILY)
     S = tl.load(p_s, eviction_policy="evict_first")
@@ -107,7 +107,7 @@ def _flush_kernel(
         )
     tl.store(p_s, S, eviction_policy="evict_first")
     if HAS_READ:
-        p_r = rd + sh * (K * V) + tile_offsets(o_k, o_v, K, V, RD_VM)
+        p_r = tile_ptrs(rd + sh * (K * V), o_k, o_v, K, V, RD_VM)
         store_read_copy(S, p_r, read_rows, i_h, ROWS)
     if SKETCH_OUT:
         m = tl.load(ranks + i_h)

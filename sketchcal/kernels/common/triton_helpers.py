@@ -297,13 +297,15 @@ def dot_ff(a, b, acc, TERMS: tl.constexpr, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def tile_offsets(o_k, o_v, K: tl.constexpr, V: tl.constexpr, VM: tl.constexpr):
-    """Offsets [len(o_k), len(o_v)] of rows ``o_k`` and columns ``o_v`` of one head's [K, V] state
-    stored key-major, or value-major (``VM``: the transpose of a contiguous [V, K])."""
+def tile_ptrs(head, o_k, o_v, K: tl.constexpr, V: tl.constexpr, VM: tl.constexpr):
+    """Pointers [len(o_k), len(o_v)] to rows ``o_k`` and columns ``o_v`` of the [K, V] state at
+    ``head``, stored key-major, or value-major (``VM``: the transpose of a contiguous [V, K]). The
+    row and column terms are added to the pointer one after the other: summed first, as an int32
+    tile, they cost the sweep flush a register per element."""
     if VM:
-        return o_k[:, None] + o_v[None, :] * K
+        return head + o_k[:, None] + o_v[None, :] * K
     else:
-        return o_k[:, None] * V + o_v[None, :]
+        return head + o_k[:, None] * V + o_v[None, :]
 
 
 @triton.jit
@@ -312,13 +314,13 @@ def dense_read(v, rd_h, o_k, o_v, V: tl.constexpr, K: tl.constexpr, ROWS: tl.con
     ROWS rows at a time (a rolled loop; each block's share of ``v`` is gathered from registers), so
     a [ROWS, BV] tile is live instead of [K, BV]."""
     if ROWS == 0:
-        rc = tl.load(rd_h + tile_offsets(o_k, o_v, K, V, VM)).to(tl.float32)
+        rc = tl.load(tile_ptrs(rd_h, o_k, o_v, K, V, VM)).to(tl.float32)
         o = tl.sum(rc * v[:, None], axis=0)
     else:
         o_b = tl.arange(0, ROWS)
         o = tl.zeros([o_v.shape[0]], dtype=tl.float32)
         for k0 in range(0, K, ROWS):
-            rc = tl.load(rd_h + tile_offsets(k0 + o_b, o_v, K, V, VM)).to(tl.float32)
+            rc = tl.load(tile_ptrs(rd_h, k0 + o_b, o_v, K, V, VM)).to(tl.float32)
             o += tl.sum(rc * tl.gather(v, k0 + o_b, 0)[:, None], axis=0)
     return o
 
