@@ -199,12 +199,14 @@ def _engine_config(architecture: str, device: str):
 @pytest.mark.parametrize(
     ("architecture", "device", "says"),
     [
-        ("Qwen3_5ForCausalLM", "cuda", "on a CPU only for now"),
-        ("NemotronHForCausalLM", "xpu", "a CPU or an NVIDIA GPU, not xpu"),
+        ("Qwen3_5ForCausalLM", "xpu", "a CPU or an NVIDIA GPU, not xpu"),
+        ("NemotronHForCausalLM", "cuda", "built for NVIDIA GPUs, not ROCm"),
     ],
 )
-def test_devices_the_plugin_does_not_serve_are_refused(architecture, device, says):
+def test_devices_the_plugin_does_not_serve_are_refused(architecture, device, says, monkeypatch):
     from sketchcal.serving.vllm.settings import serve_settings
+
+    monkeypatch.setattr(torch.version, "hip", "6.4")  # a ROCm build: vLLM's device type is still cuda
 
     with pytest.raises(SketchcalError, match=says) as err:
         serve_settings(_engine_config(architecture, device))

@@ -252,6 +252,49 @@ def test_gdn_layer(gdn_dir, mode):
     assert cursor[0] == 0 and not pool.buf_w[0].any()  # the null block was never written
 
 
+def test_gdn_cuda_decode_call_unpacks_the_packed_decode(gdn_dir):
+    """On CUDA vLLM makes the GDN decode call with q, k and v packed in one row per sequence
+    (``fused_recurrent_gated_delta_rule_packed_decode``): the served layer's unpacking of it decodes
+    what its CPU call (q, k, v apart) decodes, through a flush, on two layers with the same pages."""
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+
+    from sketchcal.errors import SketchcalError
+
+    use_served_layer("gdn")
+    cfgs = [engine_config(gdn_dir, "sketch", "bfloat16") for _ in range(2)]  # one per layer of one name
+    prefix = "model.layers.0.linear_attn"
+    split = build(QwenGatedDeltaNetAttention, cfgs[0], prefix)
+    packed = build(QwenGatedDeltaNetAttention, cfgs[1], prefix, source=split)
+    finish(split, cfgs[0])
+    finish(packed, cfgs[1])
+    hk, hv, kd, vd = split.plan.groups, split.plan.heads, split.plan.key_dim, split.plan.value_dim
+    gen = torch.Generator().manual_seed(3)
+    state = 0.3 * torch.randn(hv, kd, vd, generator=gen)
+    for layer in (split, packed):
+        pool, _ = layer.pool()
+        pool.state[3], pool.state[5] = state, -state
+        layer.settle(torch.tensor([3, 5]), buffered=False)
+    blocks = torch.tensor([3, 0, 5], dtype=torch.int32)  # a padding row between two sequences
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(torch.bfloat16)
+
+    for _ in range(WINDOW + 1):  # through a flush
+        q, k, v = rand(3, hk, kd), rand(3, hk, kd), rand(3, hv, vd)
+        gates = dict(a=rand(3, hv), b=rand(3, hv), A_log=split.A_log, dt_bias=split.dt_bias)
+        gates["use_qk_l2norm_in_kernel"] = True
+        want = split.decode_call(
+            "decode", None, (), dict(gates, q=q[None], k=k[None], v=v[None], initial_state_indices=blocks)
+        )
+        out = torch.full((3, 1, hv, vd), float("nan"), dtype=torch.bfloat16)
+        mixed = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=-1)
+        call = dict(gates, mixed_qkv=mixed, scale=kd**-0.5, out=out, ssm_state_indices=blocks)
+        assert packed._packed_decode((), call) is None
+        torch.testing.assert_close(out, want.view_as(out), rtol=0, atol=0)
+    with pytest.raises(SketchcalError, match="does not know"):
+        packed._packed_decode((), dict(call, scale=0.5))
+
+
 # ---- KDA ---------------------------------------------------------------------------------------
 
 

