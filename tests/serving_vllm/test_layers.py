@@ -160,6 +160,21 @@ def window_reference(layer, block: int, state: torch.Tensor, recorder: Recorder)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
+def assert_kernels_take(layer) -> None:
+    """The pool over the pages vLLM bound is one the Triton kernels index, as the CUDA decode branch
+    hands it to them: every tensor's slot parts contiguous and a page apart (not a dense pool), the
+    checkpoint the transpose of vLLM's value-major recurrent state."""
+    from dataclasses import replace
+
+    from sketchcal.kernels.common.pool import check_paged, is_dense, value_major
+
+    pool, _ = layer.pool()
+    cuda_state = layer.kv_cache[1].transpose(-1, -2)  # vLLM's [N, H, V, K], seen key-major
+    assert value_major(cuda_state) and not is_dense(pool)
+    read = cuda_state if pool.read is pool.state else pool.read
+    check_paged(replace(pool, state=cuda_state, read=read))
+
+
 # ---- GDN ---------------------------------------------------------------------------------------
 
 
@@ -224,6 +239,7 @@ def test_gdn_layer(gdn_dir, mode):
     meta = gdn_metadata([], [(3, 6), (6, 9)])
     torch.testing.assert_close(run_gdn(served, served_cfg, meta, h), run_gdn(std, std_cfg, meta, h))
     pool, cursor = served.pool()
+    assert_kernels_take(served)
     states.update({b: pool.state[b].clone() for b in (3, 6)})
     assert cursor[3] == cursor[6] == 0
     decoding = [3, 6]
@@ -413,6 +429,7 @@ def test_kda_layer(kda_dir, mode, monkeypatch):
     STARTS.clear()
     forward([], [(3, 5), (6, 7)])
     pool, _ = layer.pool()
+    assert_kernels_take(layer)
     states = {b: pool.state[b].clone() for b in (3, 6)}
     decoding, pad = [3, 6], [0]
     for step in range(2 * WINDOW + 3):
