@@ -65,7 +65,10 @@ def _flush_kernel(
     i_g = i_h // (H // G)
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
-    if VEC > 0:
+    # a value-major state is held as a [BV, K] tile (keys on axis 1), each value column's k·S
+    # reduction along contiguous keys; a key-major one as [K, BV]
+    KX: tl.constexpr = 1 if ST_VM else 0
+    if VEC > 0 and not ST_VM:
         # a true (smaller) contiguity bound: the tile's layout then gives each thread VEC columns
         o_v = tl.max_contiguous(o_v, VEC)
     live = s >= 0
@@ -78,7 +81,7 @@ def _flush_kernel(
         sh, sg = s * H + i_h, s * G + i_g
     hb = sh * C
     gb = sg * C
-    p_s = tile_ptrs(state + sh * (K * V), o_k, o_v, K, V, ST_VM)
+    p_s = tile_ptrs(state + sh * (K * V), o_k, o_v, K, V, ST_VM, KX)
     if PREFETCH:
         prefetch_buffer(buf_k, buf_w, buf_decay, buf_beta, hb, gb, n, i_v * BV, K, V, BV, C, FAMILY)
     S = tl.load(p_s, eviction_policy="evict_first")
@@ -95,19 +98,20 @@ def _flush_kernel(
             j + 1 < n, K, V, FAMILY,
         )  # fmt: skip
         if FAMILY == 2:  # per-channel decays go straight into the tile
-            S = forward(S, kk, ww, dd, bb, FAMILY, 0)
+            S = forward(S, kk, ww, dd, bb, FAMILY, KX)
         else:
-            S, scale = forward_scaled(S, scale, kk, ww, dd, bb, FAMILY)
+            S, scale = forward_scaled(S, scale, kk, ww, dd, bb, FAMILY, KX)
         kk, ww, dd, bb = kn, wn, dn, bn
     if FAMILY != 2:
         S = S * scale
     if HAS_X:
         S = step_emit(
-            S, q, k, w, decay, beta, skip, out, i_b, i_h, i_g, o_k, o_v, live, H, G, K, V, FAMILY, HAS_SKIP, 0
-        )
+            S, q, k, w, decay, beta, skip, out, i_b, i_h, i_g, o_k, o_v, live, H, G, K, V, FAMILY, HAS_SKIP,
+            KX,
+        )  # fmt: skip
     tl.store(p_s, S, eviction_policy="evict_first")
     if HAS_READ:
-        p_r = tile_ptrs(rd + sh * (K * V), o_k, o_v, K, V, RD_VM)
+        p_r = tile_ptrs(rd + sh * (K * V), o_k, o_v, K, V, RD_VM, KX)
         store_read_copy(S, p_r, read_rows, i_h, ROWS)
     if SKETCH_OUT:
         m = tl.load(ranks + i_h)
@@ -119,7 +123,8 @@ def _flush_kernel(
         rrow = tl.load(fr_g + o_k, mask=o_k < tl.where(m > 0, K, 0), other=0.0)
         for r in range(0, m):
             rnext = tl.load(fr_g + (r + 1) * K + o_k, mask=o_k < tl.where(r + 1 < m, K, 0), other=0.0)
-            tl.store(sk_h + r * V + o_v, tl.sum(S * rrow[:, None], axis=0).to(sk.dtype.element_ty))
+            row = tl.sum(S * tl.expand_dims(rrow, 1 - KX), axis=KX)
+            tl.store(sk_h + r * V + o_v, row.to(sk.dtype.element_ty))
             rrow = rnext
 
 

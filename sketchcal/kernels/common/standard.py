@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from sketchcal.kernels.common.pool import value_major
 from sketchcal.kernels.common.recurrence import StepInputs
 from sketchcal.kernels.common.triton_helpers import (
     FAMILY_ID,
@@ -57,7 +58,11 @@ def _standard_kernel(
 
 def launch(family: str, state: Tensor, slots: Tensor, x: StepInputs, out: Tensor, cfg) -> None:
     """:func:`_standard_kernel` over (V / BV, H, B) for a checked ``state`` [N, H, K, V] (either
-    storage order, see :func:`value_major`) and inputs."""
+    storage order, ``pool.value_major``) and inputs."""
+    if not (state.is_contiguous() or state.transpose(-1, -2).is_contiguous()):
+        raise ValueError(
+            "the state must be a contiguous [N, H, K, V] tensor or the transpose of a contiguous [N, H, V, K]"
+        )
     b, t, g, kd = x.k.shape
     h, vd = state.shape[1], state.shape[3]
     bv = clip_block_v(cfg.block_v, vd)
@@ -66,15 +71,3 @@ def launch(family: str, state: Tensor, slots: Tensor, x: StepInputs, out: Tensor
         out, T=t, H=h, G=g, K=kd, V=vd, BV=bv, FAMILY=FAMILY_ID[family], HAS_SKIP=x.skip is not None,
         VALUE_MAJOR=value_major(state), **launch_options(cfg.num_warps, cfg.maxnreg, state.device),
     )  # fmt: skip
-
-
-def value_major(state: Tensor) -> bool:
-    """Whether the logical [N, H, K, V] ``state`` is stored value-major (the transpose of a
-    contiguous [N, H, V, K]); False for a contiguous one. Any other strides are refused."""
-    if state.is_contiguous():
-        return False
-    if state.transpose(-1, -2).is_contiguous():
-        return True
-    raise ValueError(
-        "the state must be a contiguous [N, H, K, V] tensor or the transpose of a contiguous [N, H, V, K]"
-    )

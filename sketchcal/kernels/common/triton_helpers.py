@@ -149,9 +149,9 @@ def forward(S, kk, ww, dd, bb, FAMILY: tl.constexpr, KAXIS: tl.constexpr):
 
 
 @triton.jit
-def forward_scaled(S, c, kk, ww, dd, bb, FAMILY: tl.constexpr):
-    """:func:`forward` for a scalar decay (Mamba-2, GDN) on a tile held as ``c Ŝ``: returns the
-    new (Ŝ, c).
+def forward_scaled(S, c, kk, ww, dd, bb, FAMILY: tl.constexpr, KAXIS: tl.constexpr = 0):
+    """:func:`forward` for a scalar decay (Mamba-2, GDN) on a tile held as ``c Ŝ`` (key dimension
+    on axis ``KAXIS``, as in :func:`forward`): returns the new (Ŝ, c).
 
     The decay only multiplies the scale, so a token costs the k·Ŝ reduction and one FMA per
     element instead of a multiply more: with c' = c d and u = w − β kᵀ(d S) = w − β c' kᵀŜ,
@@ -164,10 +164,10 @@ def forward_scaled(S, c, kk, ww, dd, bb, FAMILY: tl.constexpr):
         c = c * 0.0 + 1.0
     r = 1.0 / c
     if FAMILY == 0:
-        S = S + kk[:, None] * (ww * r)[None, :]
+        S = S + tl.expand_dims(kk, 1 - KAXIS) * tl.expand_dims(ww * r, KAXIS)
     else:
-        ks = tl.sum(S * kk[:, None], axis=0)
-        S = S + kk[:, None] * (ww * r - bb * ks)[None, :]
+        ks = tl.sum(S * tl.expand_dims(kk, 1 - KAXIS), axis=KAXIS)
+        S = S + tl.expand_dims(kk, 1 - KAXIS) * tl.expand_dims(ww * r - bb * ks, KAXIS)
     return S, c
 
 
@@ -297,15 +297,24 @@ def dot_ff(a, b, acc, TERMS: tl.constexpr, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def tile_ptrs(head, o_k, o_v, K: tl.constexpr, V: tl.constexpr, VM: tl.constexpr):
-    """Pointers [len(o_k), len(o_v)] to rows ``o_k`` and columns ``o_v`` of the [K, V] state at
-    ``head``, stored key-major, or value-major (``VM``: the transpose of a contiguous [V, K]). The
-    row and column terms are added to the pointer one after the other: summed first, as an int32
-    tile, they cost the sweep flush a register per element."""
-    if VM:
-        return head + o_k[:, None] + o_v[None, :] * K
+def tile_ptrs(
+    head, o_k, o_v, K: tl.constexpr, V: tl.constexpr, VM: tl.constexpr, KAXIS: tl.constexpr = 0
+):  # fmt: skip
+    """Pointers to rows ``o_k`` and columns ``o_v`` of the [K, V] state at ``head``, stored
+    key-major, or value-major (``VM``: the transpose of a contiguous [V, K]), as a tile holding the
+    keys on axis ``KAXIS``: [len(o_k), len(o_v)] (0) or [len(o_v), len(o_k)] (1). The two terms are
+    added to the pointer one after the other: summed first, as an int32 tile, they cost the sweep
+    flush a register per element."""
+    if KAXIS == 0:
+        if VM:
+            return head + o_k[:, None] + o_v[None, :] * K
+        else:
+            return head + o_k[:, None] * V + o_v[None, :]
     else:
-        return head + o_k[:, None] * V + o_v[None, :]
+        if VM:
+            return head + o_v[:, None] * K + o_k[None, :]
+        else:
+            return head + o_v[:, None] + o_k[None, :] * V
 
 
 @triton.jit
