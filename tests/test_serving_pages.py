@@ -73,7 +73,9 @@ def test_pages_decode_as_the_reference(fam, mode, device):
     gen = torch.Generator().manual_seed(0)
     tables = random_sketch(fam, RANKS, G, K, gen) if mode == "sketch" else None
     rows = 0 if tables is None else tables.map_rows
-    plan = PagePlan(fam, H, G, K, V, L, torch.float32, torch.float32, rows)
+    # on CUDA a Mamba-2 sketch page holds the split read's workspace, as the plugin's does
+    workspace = device == "cuda" and fam == "mamba2" and rows > 0
+    plan = PagePlan(fam, H, G, K, V, L, torch.float32, torch.float32, rows, workspace=workspace)
     # vLLM's own states first: a conv state and the recurrent state, value-major [H, V, K] like Mamba-2's
     shapes, dtypes = ((3, 8), (H, V, K), *plan.shapes), (torch.float32,) * 2 + plan.dtypes
     raw, views = pack_pages(shapes, dtypes, BLOCKS, device)
@@ -151,6 +153,10 @@ def test_page_plan_layout():
     buffers = L * (G * K + H * V) * 2 + L * H * K * 4 + L * H * 4 + L * H * K * 2
     want = read_and_sketch + buffers + 4
     assert plan.extra_bytes() == want
+    scratch = PagePlan("mamba2", H, G, K, V, L, torch.bfloat16, torch.bfloat16, 8, workspace=True)
+    assert [n for n, _, _ in scratch.entries()][-2:] == ["workspace", "cursor"]
+    # per group: each of its heads' 8 coefficients, the dots of the L buffered tokens and the new one
+    assert dict((n, s) for n, s, _ in scratch.entries())["workspace"] == (G, H // G * 8 + L + 1)
     fp32 = PagePlan("mamba2", H, G, K, V, L, torch.float32, torch.float32, 0)
     assert [n for n, _, _ in fp32.entries()] == ["buf_k", "buf_w", "buf_decay", "cursor"]  # reads S_c itself
     _, views = pack_pages(((H, V, K), *fp32.shapes), (torch.bfloat16, *fp32.dtypes), 2)

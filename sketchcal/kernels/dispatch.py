@@ -26,7 +26,7 @@ one (the CPU interpreter, fp32 buffered inputs, a Triton without Gluon, a pool t
 layouts do not cover): Mamba-2's chunked flush with the same shape, KDA's sweep
 (:data:`SWEEP_FALLBACK`). A paged pool (each slot's part of a tensor contiguous, any slot stride,
 the checkpoint possibly value-major: vLLM's pages, ``pool.check_paged``) is served by the forms that
-take slot strides (:data:`PAGED_FORMS`): the one-kernel read and the sweep.
+take slot strides (:data:`PAGED_FORMS`): the reads and the sweep.
 
 Every family keeps its checkpoint in the model's own frame, so the state is the model's exact fp32
 recurrence and no per-step rotation of k or q is needed. The sketch of a head of rank m is the
@@ -227,7 +227,7 @@ FP8_CONFIGS: dict[tuple[str, str], KernelConfig] = {
 # KDA's flush where its Gluon sweep cannot run, and every family's on a paged pool: Triton's sweep
 SWEEP_FALLBACK = _K("sweep", 16, 1, vec=4, maxnreg=128)
 # the forms that index a pool by slot strides (vLLM's pages: see ``pool.check_paged``)
-PAGED_FORMS = ("read", "sweep")
+PAGED_FORMS = ("read", "split_read", "sweep")
 
 
 def default_config(kernel: str, family: str, read_dtype: torch.dtype | None = None) -> KernelConfig:

@@ -126,6 +126,7 @@ def build(kernel: str, family: str, cfg: KernelConfig, sketch: bool = True, toke
                 NO_DOTS=cfg.dots == 0,
                 Q_BF16=True,
                 EMULATE=False,
+                PAGED=False,
             )
             return _compile(RS._group_kernel, consts, cfg.coef_warps)
         consts = dict(
@@ -137,6 +138,8 @@ def build(kernel: str, family: str, cfg: KernelConfig, sketch: bool = True, toke
             DOTS_HERE=cfg.dots == 0,
             HAS_SKIP=True,
             DENSE_ROWS=min(cfg.dense_rows, s.key_dim),
+            PAGED=False,
+            RD_VM=False,
         )
         return _compile(RS._head_kernel, consts, nw)
     if kernel == "read":

@@ -57,7 +57,9 @@ class DecodePool:
 
     ``state`` is the only exact, full-precision tensor: in ``standard`` mode it is the state that
     every step reads and writes; in ``replay`` and ``sketch`` mode it is the checkpoint S_c,
-    written only at a flush. Layouts (key-major, contiguous):
+    written only at a flush. Layouts (key-major, contiguous; a paged pool, :func:`check_paged`,
+    has each slot's part of a tensor contiguous at any slot stride and may store the state
+    value-major):
 
         state      [N, H, K, V] fp32 (a standard pool may store it value-major: see
                    :func:`allocate_pool`)

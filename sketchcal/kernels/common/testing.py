@@ -93,8 +93,10 @@ def paged(pool: DecodePool, *, lead_bytes: int = 64) -> DecodePool:
     """The same values in the layout of vLLM's pages: one byte page per slot that holds
     ``lead_bytes`` of something else (vLLM's conv state), then each tensor's slot part, one after
     the other; the state value-major (vLLM's layout), and the read copy the state itself when it is
-    fp32 (as the plugin's pages keep it). The workspace is dropped (a paged pool has none)."""
+    fp32 (as the plugin's pages keep it); a Mamba-2 sketch pool's workspace too."""
     tensors = pool.tensors()
+    if pool.workspace is not None:
+        tensors["workspace"] = pool.workspace
     if tensors.get("read") is not None and tensors["read"].dtype == torch.float32:
         del tensors["read"]
     parts = {name: t[0].numel() * t.element_size() for name, t in tensors.items()}

@@ -39,7 +39,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from sketchcal.kernels.common.pool import DecodePool, SketchTables, workspace_layout
+from sketchcal.kernels.common.pool import (
+    DecodePool,
+    SketchTables,
+    is_dense,
+    slot_strides,
+    value_major,
+    workspace_layout,
+)
 from sketchcal.kernels.common.recurrence import StepInputs
 from sketchcal.kernels.common.triton_helpers import (
     buffer_block,
@@ -60,10 +67,10 @@ ROWS = 16  # batch entries per coefficient program (the tensor-core tile's N)
 
 @triton.jit
 def _group_kernel(
-    slots, pos, q, k, buf_k, ws, group_maps, group_cols, group_width, B, G: tl.constexpr, K: tl.constexpr,
-    C: tl.constexpr, BC: tl.constexpr, R: tl.constexpr, RB: tl.constexpr, BB: tl.constexpr, DG: tl.constexpr,
-    NO_DOTS: tl.constexpr, WS: tl.constexpr, DOTS: tl.constexpr, Q_BF16: tl.constexpr, EMULATE: tl.constexpr,
-    PDL: tl.constexpr,
+    slots, pos, q, k, buf_k, ws, group_maps, group_cols, group_width, B, ss_bk, ss_ws, G: tl.constexpr,
+    K: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, R: tl.constexpr, RB: tl.constexpr, BB: tl.constexpr,
+    DG: tl.constexpr, NO_DOTS: tl.constexpr, WS: tl.constexpr, DOTS: tl.constexpr, Q_BF16: tl.constexpr,
+    EMULATE: tl.constexpr, PAGED: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (B·G/DG + G·⌈B/BB⌉·⌈R/RB⌉,), two kinds of program. ``ws`` row (slot, group):
     ``[coefficients (H/G)·M | dots C + 1]``, the dots starting at ``DOTS``.
@@ -76,7 +83,8 @@ def _group_kernel(
       each map tile's load.
 
     ``NO_DOTS``: no dot programs (the head kernel computes the dots); the first column tile of
-    each (group, BB entries) appends their new keys."""
+    each (group, BB entries) appends their new keys. ``PAGED``: the pool is not dense, each slot's
+    part of ``buf_k`` and ``ws`` is at its slot stride ``ss_bk`` / ``ss_ws``."""
     i = tl.program_id(0)
     o_k = tl.arange(0, K)
     n_dot = 0 if NO_DOTS else B * (G // DG)
@@ -89,7 +97,12 @@ def _group_kernel(
         x = (i_b * G + o_g)[:, None] * K + o_k[None, :]  # [DG, K]
         qq = tl.load(q + x).to(tl.float32)
         k_new = tl.load(k + x)
-        gb = (s * G + o_g) * C  # [DG]
+        if PAGED:
+            buf_k, ws = buf_k + s * ss_bk, ws + s * ss_ws
+            sg = o_g.to(tl.int64)
+        else:
+            sg = s * G + o_g
+        gb = sg * C  # [DG]
         kb = tl.load(
             buf_k + (gb[:, None, None] + o_c[None, :, None]) * K + o_k[None, None, :],
             mask=(o_c[None, :, None] < p) & (o_k[None, None, :] < K),
@@ -100,7 +113,7 @@ def _group_kernel(
             k_new.to(buf_k.dtype.element_ty),
             mask=o_k[None, :] < tl.where(live & (p < C), K, 0),
         )
-        row = ws + (s * G + o_g) * WS + DOTS  # [DG]
+        row = ws + sg * WS + DOTS  # [DG]
         tl.store(
             row[:, None] + o_c[None, :],
             tl.sum(kb.to(tl.float32) * qq[:, None, :], axis=2),
@@ -131,9 +144,14 @@ def _group_kernel(
                 kt = tl.load(
                     k + (o_b[:, None] * G + i_g) * K + o_k[None, :], mask=o_b[:, None] < B, other=0.0
                 )
-                dst_k = (tl.maximum(s_in, 0).to(tl.int64) * G + i_g) * C + p
+                s_k = tl.maximum(s_in, 0).to(tl.int64)
+                if PAGED:
+                    p_k = buf_k + (s_k * ss_bk)[:, None] + ((i_g * C + p) * K)[:, None] + o_k[None, :]
+                else:
+                    dst_k = (s_k * G + i_g) * C + p
+                    p_k = buf_k + dst_k[:, None] * K + o_k[None, :]
                 tl.store(
-                    buf_k + dst_k[:, None] * K + o_k[None, :],
+                    p_k,
                     kt.to(buf_k.dtype.element_ty),
                     mask=(p < C)[:, None] & (o_k[None, :] < K),
                 )
@@ -145,8 +163,12 @@ def _group_kernel(
                 coef = dot_fk(pm, qt, coef, True, EMULATE)
             else:
                 coef = dot_ff(pm, qt.to(tl.float32), coef, 3, EMULATE)
+            if PAGED:  # noqa: SIM108  (a constexpr branch)
+                slot_row = s * ss_ws + i_g * WS
+            else:
+                slot_row = (s * G + i_g) * WS
             tl.store(
-                ws + (s[None, :] * G + i_g) * WS + dst[:, None],
+                ws + slot_row[None, :] + dst[:, None],
                 coef,
                 mask=(dst[:, None] >= 0) & (s_in >= 0)[None, :],
             )
@@ -155,9 +177,11 @@ def _group_kernel(
 @triton.jit
 def _head_kernel(
     slots, pos, q, k, w, decay, skip, out, buf_k, buf_w, buf_decay, rd, sk, ranks, ws, sk_head_stride,
+    ss_bk, ss_bw, ss_bd, ss_rd, ss_sk, ss_ws,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, HP: tl.constexpr,
     C: tl.constexpr, BC: tl.constexpr, M: tl.constexpr, WS: tl.constexpr, DOTS: tl.constexpr,
-    DOTS_HERE: tl.constexpr, HAS_SKIP: tl.constexpr, DENSE_ROWS: tl.constexpr, PDL: tl.constexpr,
+    DOTS_HERE: tl.constexpr, HAS_SKIP: tl.constexpr, DENSE_ROWS: tl.constexpr, PAGED: tl.constexpr,
+    RD_VM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Grid (V // BV, H // HP, B): ``HP`` heads of one key group per program, as the leading
     dimension of every tile (two [HP, BC/2, BV] halves of the buffered w, [HP, 8, BV] sketch rows),
@@ -169,7 +193,9 @@ def _head_kernel(
     it (``dependent_launch``), so those loads overlap its run. They come from kernels before it,
     which have finished by then, since the group kernel waits before letting this one launch.
     ``DOTS_HERE``: the group's dots ``k_j·q`` are computed here too, before that wait (the buffered
-    keys it reads, j < n, are not the ones the group kernel appends)."""
+    keys it reads, j < n, are not the ones the group kernel appends). ``PAGED``: the pool is not
+    dense, each slot's part of a tensor at its slot stride ``ss_*``; ``RD_VM``: the read copy is
+    value-major."""
     i_v = tl.program_id(0)
     i_b = tl.program_id(2)
     o_hp = tl.program_id(1) * HP + tl.arange(0, HP)  # this program's heads
@@ -178,16 +204,22 @@ def _head_kernel(
     o_r8 = tl.arange(0, 8)
     # no early exit for padding (as in the one-kernel read): it reads slot 0, stores nothing
     live, s, p = entry_slot(slots, pos, i_b)
+    if PAGED:  # each tensor's slot part where its slot stride puts it; heads counted within it
+        buf_k, buf_w, buf_decay = buf_k + s * ss_bk, buf_w + s * ss_bw, buf_decay + s * ss_bd
+        rd, sk, ws = rd + s * ss_rd, sk + s * ss_sk, ws + s * ss_ws
+        sh, sg = o_hp.to(tl.int64), i_g
+    else:  # dense [N, ...] arrays: the heads' and group's index over all slots
+        sh, sg = s * H + o_hp, s * G + i_g
     m = tl.load(ranks + o_hp)  # [HP]
     x = i_b * H + o_hp
     w_new = tl.load(w + x[:, None] * V + o_v[None, :]).to(tl.float32)
     d_new = tl.load(decay + x).to(tl.float32)
-    sk_h = sk + (s * H + o_hp) * sk_head_stride
+    sk_h = sk + sh * sk_head_stride
     rows8 = o_r8[None, :] < m[:, None]  # [HP, 8]
     st0 = tl.load(
         sk_h[:, None, None] + o_r8[None, :, None] * V + o_v[None, None, :], mask=rows8[:, :, None], other=0.0
     )
-    hb = (s * H + o_hp) * C
+    hb = sh * C
     # the buffer in two halves of BC/2 rows: the second one's sums only run when it holds tokens
     o_l = tl.arange(0, BC // 2)
     o_u = BC // 2 + o_l
@@ -204,12 +236,12 @@ def _head_kernel(
     o_c = tl.arange(0, BC)
     al = tl.load(buf_decay + hb[:, None] + o_c[None, :], mask=(o_c < p)[None, :], other=1.0)
     al_next = tl.load(buf_decay + hb[:, None] + o_c[None, :] + 1, mask=(o_c + 1 < p)[None, :], other=1.0)
-    row = ws + (s * G + i_g) * WS
+    row = ws + sg * WS
     if DOTS_HERE:
         o_k = tl.arange(0, K)
         x_g = (i_b * G + i_g) * K + o_k
         qk = tl.load(q + x_g).to(tl.float32)
-        gb = (s * G + i_g) * C
+        gb = sg * C
         kb_l = tl.load(buf_k + (gb + o_l[:, None]) * K + o_k[None, :], mask=o_l[:, None] < p, other=0.0)
         kb_u = tl.load(buf_k + (gb + o_u[:, None]) * K + o_k[None, :], mask=o_u[:, None] < p, other=0.0)
         z_l = tl.sum(kb_l.to(tl.float32) * qk[None, :], axis=1)
@@ -256,7 +288,8 @@ def _head_kernel(
         for j in tl.static_range(HP):
             i_h = tl.program_id(1) * HP + j
             if tl.load(ranks + i_h) == 0:
-                dense = dense_read(qq, rd + (s * H + i_h) * (K * V), o_k, o_v, V, K, DENSE_ROWS, False)
+                rd_h = rd + (i_h if PAGED else s * H + i_h) * (K * V)
+                dense = dense_read(qq, rd_h, o_k, o_v, V, K, DENSE_ROWS, RD_VM)
                 ck = tl.where((o_hp == i_h)[:, None], dense[None, :], ck)
     o = z_new * w_new + d_new[:, None] * (acc + total[:, None] * ck)
     if HAS_SKIP:
@@ -322,9 +355,10 @@ def launch_group(
     tiles = -(-b // ROWS) * -(-r // COLUMNS)
     _group_kernel[((b * (g // dg) if cfg.dots else 0) + g * tiles,)](
         slots, pos, x.q, x.k, pool.buf_k, pool.workspace, tables.group_maps, tables.group_cols,
-        tables.group_width, b, G=g, K=kd, C=pool.capacity, BC=buffer_block(pool.capacity), R=r, RB=COLUMNS,
-        BB=ROWS, DG=dg, NO_DOTS=cfg.dots == 0, WS=width, DOTS=dots, Q_BF16=x.q.dtype == torch.bfloat16,
-        EMULATE=interpreting(), **launch_options(cfg.coef_warps, 0, pool.state.device),
+        tables.group_width, b, *slot_strides(pool, "buf_k", "workspace"), G=g, K=kd, C=pool.capacity,
+        BC=buffer_block(pool.capacity), R=r, RB=COLUMNS, BB=ROWS, DG=dg, NO_DOTS=cfg.dots == 0, WS=width,
+        DOTS=dots, Q_BF16=x.q.dtype == torch.bfloat16, EMULATE=interpreting(), PAGED=not is_dense(pool),
+        **launch_options(cfg.coef_warps, 0, pool.state.device),
     )  # fmt: skip
 
 
@@ -342,7 +376,9 @@ def launch_heads(
     _head_kernel[(vd // block_v, h // hp, b)](
         slots, pos, x.q, x.k, x.w, x.decay, x.skip if x.skip is not None else x.w, out, pool.buf_k,
         pool.buf_w, pool.buf_decay, pool.read, sk, tables.ranks, pool.workspace, sk.shape[2] * sk.shape[3],
+        *slot_strides(pool, "buf_k", "buf_w", "buf_decay", "read", "sketch", "workspace"),
         H=h, G=g, K=kd, V=vd, BV=block_v, HP=hp, C=pool.capacity, BC=buffer_block(pool.capacity),
         M=tables.map_rows, WS=width, DOTS=dots, DOTS_HERE=cfg.dots == 0, HAS_SKIP=x.skip is not None,
-        DENSE_ROWS=min(cfg.dense_rows, kd), **launch_options(cfg.num_warps, 0, pool.state.device),
+        DENSE_ROWS=min(cfg.dense_rows, kd), PAGED=not is_dense(pool), RD_VM=value_major(pool.read),
+        **launch_options(cfg.num_warps, 0, pool.state.device),
     )  # fmt: skip

@@ -45,6 +45,7 @@ def page_plan(settings: ServeSettings, entry: dict[str, Any]) -> PagePlan:
         read_dtype=settings.read_dtype,
         buffer_dtype=settings.buffer_dtype,
         map_rows=settings.map_rows,
+        workspace=settings.device == "cuda" and settings.family == "mamba2" and settings.map_rows > 0,
     )
 
 

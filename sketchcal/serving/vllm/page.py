@@ -15,6 +15,8 @@ dim, V value dim, C = L buffered tokens for a window of L, M sketch rows):
     buf_decay     [H, C]     fp32 ([H, C, K] for KDA)
     buf_beta      [H, C]     fp32, delta rules only
     buf_logdecay  [H, C, K]  bf16 log₂ decays, KDA with a low-precision read copy
+    workspace     [G, W]     fp32 scratch of Mamba-2's split sketch read on CUDA
+                             (``DecodePool.workspace``)
     cursor        [1]        int32: tokens buffered since the last flush (0 .. L−1)
 
 :func:`PagePlan.pool` turns the layer's bound page views (each [N, ...] over N block ids) into a
@@ -31,7 +33,7 @@ import torch
 from torch import Tensor
 
 from sketchcal.errors import SketchcalError
-from sketchcal.kernels.common.pool import DecodePool
+from sketchcal.kernels.common.pool import DecodePool, workspace_layout
 
 Entry = tuple[str, tuple[int, ...], torch.dtype]
 
@@ -49,6 +51,7 @@ class PagePlan:
     read_dtype: torch.dtype
     buffer_dtype: torch.dtype
     map_rows: int  # 0 in replay mode
+    workspace: bool = False  # Mamba-2's split sketch read on CUDA: its per-slot scratch
 
     @property
     def capacity(self) -> int:
@@ -70,6 +73,9 @@ class PagePlan:
             out.append(("buf_beta", (h, c), torch.float32))
         if self.family == "kda" and self.read_dtype != torch.float32:
             out.append(("buf_logdecay", (h, c, k), torch.bfloat16))
+        if self.workspace:
+            width, _ = workspace_layout(h // g, self.map_rows, c)
+            out.append(("workspace", (g, width), torch.float32))
         out.append(("cursor", (1,), torch.int32))
         for name, shape, dtype in out:  # each view must start at an offset its dtype can address
             if prod(shape) * dtype.itemsize % 4:
