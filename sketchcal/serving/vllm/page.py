@@ -38,6 +38,15 @@ from sketchcal.kernels.common.pool import DecodePool, workspace_layout
 Entry = tuple[str, tuple[int, ...], torch.dtype]
 
 
+def check_checkpoint_dtype(dtype: torch.dtype) -> None:
+    """Refuse a recurrent state vLLM keeps in another dtype than fp32 (the exact checkpoint)."""
+    if dtype != torch.float32:
+        raise SketchcalError(
+            f"the recurrent state is {dtype}; sketchcal keeps an fp32 checkpoint: pass "
+            "--mamba-ssm-cache-dtype float32"
+        )
+
+
 @dataclass(frozen=True)
 class PagePlan:
     """The tensors a served layer appends to its vLLM page (see the module docstring)."""
@@ -110,11 +119,7 @@ class PagePlan:
                     f"page tensor {name} is {tuple(t.shape[1:])} {t.dtype}, expected {shape} {dtype}"
                 )
             named[name] = t
-        if checkpoint.dtype != torch.float32:
-            raise SketchcalError(
-                f"the recurrent state is {checkpoint.dtype}; sketchcal keeps an fp32 checkpoint: pass "
-                "--mamba-ssm-cache-dtype float32"
-            )
+        check_checkpoint_dtype(checkpoint.dtype)
         cursor = named.pop("cursor")[:, 0]
         read = named.pop("read", checkpoint)
         return DecodePool(state=checkpoint, read=read, **named), cursor
