@@ -137,7 +137,7 @@ def value_major(t: Tensor) -> bool:
 def is_dense(pool: DecodePool) -> bool:
     """Whether every tensor of ``pool`` (scratch included) is a contiguous [N, ...] array, the state
     key-major: what every kernel form indexes. Other pools (:func:`check_paged`) are served by the
-    one-kernel read and the sweep flush only."""
+    forms that take slot strides (``dispatch.PAGED_FORMS``)."""
     tensors = [t for t in (*pool.tensors().values(), pool.workspace) if t is not None]
     return all(t.is_contiguous() for t in tensors)
 

@@ -11,7 +11,7 @@ different cursors share one call: each op skips the rows given as slot −1.
 The ops share one serving API: on a CUDA device the Triton kernels of
 :mod:`sketchcal.kernels.dispatch` (a view of vLLM's pages steps over a whole page from one block to
 the next, and the checkpoint is value-major: the kernels take such a pool as a paged pool, served
-by their one-kernel read and sweep flush), elsewhere their float64 oracle
+by the forms that take slot strides, ``dispatch.PAGED_FORMS``), elsewhere their float64 oracle
 :mod:`sketchcal.kernels.common.reference`, the math the transformers runtime is tested against.
 Nothing here synchronises with the host, so a decode step can be captured in a CUDA graph.
 """
