@@ -302,7 +302,7 @@ def test_paged_dry_run_runs_the_forms_that_take_slot_strides():
     assert forms == {
         "standard": "standard",
         "replay": "read",
-        "sketch": "read",
+        "sketch": "split_read",  # its workspace is in the page
         "flush_replay": "sweep",
         "flush_sketch": "sweep",
     }
