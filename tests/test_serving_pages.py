@@ -217,3 +217,58 @@ def test_devices_the_plugin_does_not_serve_are_refused(architecture, device, say
     with pytest.raises(SketchcalError, match=says) as err:
         serve_settings(_engine_config(architecture, device))
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fam", ["mamba2", "gdn", "kda"])
+def test_page_decode_replays_in_a_cuda_graph_gpu(fam):
+    """The CUDA decode branch as vLLM's CUDA graphs run it: one step captured, then replayed over
+    more than a window (reads and a flush, rows at different cursors, a padding row) with new inputs
+    copied in, gives the outputs and pages of the same steps run eagerly on a copy of the pages."""
+    gen = torch.Generator().manual_seed(5)
+    tables = random_sketch(fam, RANKS, G, K, gen).to("cuda")
+    bf16 = torch.bfloat16
+    plan = PagePlan(fam, H, G, K, V, L, bf16, bf16, tables.map_rows, workspace=fam == "mamba2")
+    shapes, dtypes = ((3, 8), (H, V, K), *plan.shapes), (torch.float32,) * 2 + plan.dtypes
+    raws, decoders, pools = [], [], []
+    for _ in range(2):  # graph-replayed and eager, from the same pages
+        raw, views = pack_pages(shapes, dtypes, BLOCKS, "cuda")
+        raws.append((raw, views))
+        pools.append(plan.pool(views[1].transpose(-1, -2), views[2:]))
+        decoders.append(WindowDecoder(fam, L, tables))
+    blocks = torch.tensor([5, 2, NULL_BLOCK, 3], device="cuda")
+    for (_, views), (pool, cursor), dec in zip(raws, pools, decoders, strict=True):
+        for b, start in ((5, 0), (2, 1), (3, 3)):
+            views[1][b] = (0.3 * torch.randn(H, V, K, generator=torch.Generator().manual_seed(b))).cuda()
+            dec.settle(pool, cursor, torch.tensor([b], device="cuda"), buffered=False)
+            cursor[b] = start  # rows at different window positions (their buffers hold zeros)
+    steps = [kernel_layout([random_inputs(fam, 1, gen) for _ in blocks], 0) for _ in range(L + 2)]
+    names = ("k", "q", "w", "decay", "beta", "skip")
+
+    def on_cuda(x: StepInputs) -> StepInputs:  # bf16 but the decays and betas, as the kernels take them
+        dtype = {n: torch.float32 if n in ("decay", "beta") else bf16 for n in names}
+        return StepInputs(
+            **{n: None if getattr(x, n) is None else getattr(x, n).to("cuda", dtype[n]) for n in names}
+        )
+
+    steps = [on_cuda(x) for x in steps]
+    static = steps[0].map(torch.clone)
+    (pool, cursor), dec = pools[0], decoders[0]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile outside the capture, on a throwaway copy
+        warm_raw = raws[0][0].clone()
+        dec.step(pool, cursor, blocks, static)
+        raws[0][0].copy_(warm_raw)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = dec.step(pool, cursor, blocks, static)
+    for x in steps:
+        for name in names:
+            if getattr(x, name) is not None:
+                getattr(static, name).copy_(getattr(x, name))
+        graph.replay()
+        want = decoders[1].step(*pools[1], blocks, x)
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+    torch.testing.assert_close(raws[0][0], raws[1][0], rtol=0, atol=0)
