@@ -350,7 +350,8 @@ def _window_pool(pool: DecodePool, sketch: bool) -> tuple[int, int]:
         raise ValueError("a window pool (capacity > 0) is needed")
     if sketch and pool.sketch is None:
         raise ValueError("sketch mode needs a pool with a sketch tensor (allocate_pool(sketch_rows=M))")
-    check_paged(pool)
+    if not is_dense(pool):
+        check_paged(pool)
     kd, vd = pool.state.shape[2:]
     if kd < CHUNK_MIN or vd < CHUNK_MIN:
         raise ValueError(f"the window kernels need K, V ≥ {CHUNK_MIN} (tensor-core tiles); K={kd}, V={vd}")

@@ -193,11 +193,12 @@ def launch(
     h, g = pool.heads, pool.buf_k.shape[1]
     kd, vd = pool.state.shape[2:]
     bv = clip_block_v(cfg.block_v, vd)
+    paged = not is_dense(pool)  # only a paged pool may hold its state (and fp32 read copy) value-major
     _flush_kernel[(vd // bv, h, slots.shape[0])](
         *flush_arguments(pool, tables, slots, pos, x, out), *slot_args(pool, tables), H=h, G=g, K=kd, V=vd,
         BV=bv, C=pool.capacity,
         FAMILY=FAMILY_ID[family], **flush_flags(pool, tables, x), VEC=cfg.vec,
-        PREFETCH=prefetch_enabled(cfg.prefetch), PAGED=not is_dense(pool), ST_VM=value_major(pool.state),
-        RD_VM=value_major(pool.read if pool.read is not None else pool.state),
+        PREFETCH=prefetch_enabled(cfg.prefetch), PAGED=paged, ST_VM=paged and value_major(pool.state),
+        RD_VM=paged and value_major(pool.read if pool.read is not None else pool.state),
         **launch_options(cfg.num_warps, cfg.maxnreg, pool.state.device),
     )  # fmt: skip

@@ -107,15 +107,14 @@ class DecodePool:
 
     def tensors(self) -> dict[str, Tensor]:
         """The pool's state (every tensor but the scratch ``workspace``), by field name."""
-        return {
-            f.name: getattr(self, f.name)
-            for f in fields(self)
-            if f.name != "workspace" and getattr(self, f.name) is not None
-        }
+        return {n: t for n in _STATE_FIELDS if (t := getattr(self, n)) is not None}
 
     def clone(self) -> DecodePool:
         ws = None if self.workspace is None else torch.zeros_like(self.workspace)
         return DecodePool(**{name: t.clone() for name, t in self.tensors().items()}, workspace=ws)
+
+
+_STATE_FIELDS = tuple(f.name for f in fields(DecodePool) if f.name != "workspace")
 
 
 def rows_contiguous(t: Tensor) -> bool:
@@ -138,8 +137,9 @@ def is_dense(pool: DecodePool) -> bool:
     """Whether every tensor of ``pool`` (scratch included) is a contiguous [N, ...] array, the state
     key-major: what every kernel form indexes. Other pools (:func:`check_paged`) are served by the
     forms that take slot strides (``dispatch.PAGED_FORMS``)."""
-    tensors = [t for t in (*pool.tensors().values(), pool.workspace) if t is not None]
-    return all(t.is_contiguous() for t in tensors)
+    return all(
+        t is None or t.is_contiguous() for t in (*(getattr(pool, n) for n in _STATE_FIELDS), pool.workspace)
+    )
 
 
 def check_paged(pool: DecodePool) -> None:

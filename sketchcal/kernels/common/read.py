@@ -224,6 +224,7 @@ def launch(
     bv = clip_block_v(cfg.block_v, vd)
     sketch = tables is not None
     sk = pool.sketch if sketch else pool.read
+    paged = not is_dense(pool)  # only a paged pool may read a value-major (fp32) read copy
     _read_kernel[(vd // bv, h, b)](
         slots, pos, x.q, x.k, x.w, x.decay, beta_or_placeholder(x), x.skip if x.skip is not None else x.w,
         out, pool.buf_k, pool.buf_w, pool.buf_decay,
@@ -237,6 +238,6 @@ def launch(
         pool.read.stride(0), sk.stride(0), T=t, H=h, G=g, K=kd, V=vd, BV=bv, C=pool.capacity,
         M=tables.map_rows if sketch else 1, FAMILY=FAMILY_ID[family], SKETCH=sketch,
         HAS_SKIP=x.skip is not None, LOG2_DECAY=pool.buf_logdecay is not None,
-        PAGED=not is_dense(pool), RD_VM=value_major(pool.read), **read_options(cfg, kd),
+        PAGED=paged, RD_VM=paged and value_major(pool.read), **read_options(cfg, kd),
         **launch_options(cfg.num_warps, cfg.maxnreg, pool.state.device),
     )  # fmt: skip

@@ -16,7 +16,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from sketchcal.kernels.common.pool import value_major
 from sketchcal.kernels.common.recurrence import StepInputs
 from sketchcal.kernels.common.triton_helpers import (
     FAMILY_ID,
@@ -58,7 +57,7 @@ def _standard_kernel(
 
 def launch(family: str, state: Tensor, slots: Tensor, x: StepInputs, out: Tensor, cfg) -> None:
     """:func:`_standard_kernel` over (V / BV, H, B) for a checked ``state`` [N, H, K, V] (either
-    storage order, ``pool.value_major``) and inputs."""
+    storage order: contiguous, or the transpose of a contiguous [N, H, V, K]) and inputs."""
     if not (state.is_contiguous() or state.transpose(-1, -2).is_contiguous()):
         raise ValueError(
             "the state must be a contiguous [N, H, K, V] tensor or the transpose of a contiguous [N, H, V, K]"
@@ -69,5 +68,5 @@ def launch(family: str, state: Tensor, slots: Tensor, x: StepInputs, out: Tensor
     _standard_kernel[(vd // bv, h, b)](
         state, slots, x.q, x.k, x.w, x.decay, beta_or_placeholder(x), x.skip if x.skip is not None else x.w,
         out, T=t, H=h, G=g, K=kd, V=vd, BV=bv, FAMILY=FAMILY_ID[family], HAS_SKIP=x.skip is not None,
-        VALUE_MAJOR=value_major(state), **launch_options(cfg.num_warps, cfg.maxnreg, state.device),
+        VALUE_MAJOR=not state.is_contiguous(), **launch_options(cfg.num_warps, cfg.maxnreg, state.device),
     )  # fmt: skip

@@ -373,12 +373,13 @@ def launch_heads(
     sk = pool.sketch
     hp = _dividing_power_of_two(cfg.heads, h // g)
     block_v = clip_block_v(cfg.block_v, vd)
+    paged = not is_dense(pool)
     _head_kernel[(vd // block_v, h // hp, b)](
         slots, pos, x.q, x.k, x.w, x.decay, x.skip if x.skip is not None else x.w, out, pool.buf_k,
         pool.buf_w, pool.buf_decay, pool.read, sk, tables.ranks, pool.workspace, sk.shape[2] * sk.shape[3],
         *slot_strides(pool, "buf_k", "buf_w", "buf_decay", "read", "sketch", "workspace"),
         H=h, G=g, K=kd, V=vd, BV=block_v, HP=hp, C=pool.capacity, BC=buffer_block(pool.capacity),
         M=tables.map_rows, WS=width, DOTS=dots, DOTS_HERE=cfg.dots == 0, HAS_SKIP=x.skip is not None,
-        DENSE_ROWS=min(cfg.dense_rows, kd), PAGED=not is_dense(pool), RD_VM=value_major(pool.read),
+        DENSE_ROWS=min(cfg.dense_rows, kd), PAGED=paged, RD_VM=paged and value_major(pool.read),
         **launch_options(cfg.num_warps, 0, pool.state.device),
     )  # fmt: skip
