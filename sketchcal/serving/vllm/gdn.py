@@ -89,16 +89,8 @@ class SketchQwenGatedDeltaNet(ServedLayer, QwenGatedDeltaNetAttention):
     def _forward_core(self, mixed_qkv: Tensor, b: Tensor, a: Tensor, core_attn_out: Tensor) -> None:
         if not self.on_cuda:
             return super()._forward_core(mixed_qkv, b, a, core_attn_out)
-        meta = get_forward_context().attn_metadata
-        meta = meta.get(self.prefix) if isinstance(meta, dict) else None
-        chunked = meta is not None and meta.num_prefills > 0
-        if chunked:  # vLLM's kernels continue the decode rows from their checkpoints
-            self.settle(meta.non_spec_state_indices_tensor[: meta.num_decodes], buffered=True)
-        with self.base_forward():
+        with self.vllm_kernels_continue_decode_rows():
             super()._forward_core(mixed_qkv, b, a, core_attn_out)
-        if chunked:
-            rows = meta.non_spec_state_indices_tensor[: meta.num_decodes + meta.num_prefills]
-            self.settle(rows, buffered=False)
         return None
 
     def decode_call(self, kind: str, original: Any, args: tuple, kwargs: dict[str, Any]) -> Tensor | None:

@@ -23,7 +23,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn import KimiGatedDeltaNetAttention
 
 from sketchcal.errors import SketchcalError
@@ -51,17 +50,8 @@ class SketchKimiDeltaAttention(ServedLayer, KimiGatedDeltaNetAttention):
     def _forward(self, *args: Any, **kwargs: Any) -> None:
         if self.serving is None:
             return super()._forward(*args, **kwargs)
-        meta = get_forward_context().attn_metadata
-        meta = meta.get(self.prefix) if isinstance(meta, dict) else None
-        chunked = meta is not None and meta.num_prefills > 0
-        if chunked:  # vLLM's chunked kernel continues the decode rows from their checkpoints
-            self.settle(meta.non_spec_state_indices_tensor[: meta.num_decodes], buffered=True)
-        with self.base_forward():
+        with self.vllm_kernels_continue_decode_rows():
             super()._forward(*args, **kwargs)
-        if chunked:
-            self.settle(
-                meta.non_spec_state_indices_tensor[: meta.num_decodes + meta.num_prefills], buffered=False
-            )
         return None
 
     def decode_call(

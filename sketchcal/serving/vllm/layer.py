@@ -150,6 +150,26 @@ class ServedLayer:
         finally:
             self.kv_cache, self._pages = pages, None
 
+    @contextlib.contextmanager
+    def vllm_kernels_continue_decode_rows(self) -> Iterator[None]:
+        """:meth:`base_forward` for a layer whose batches with prefill rows run every non-speculative
+        row, decode rows included, through vLLM's own kernels from the state in the page (KDA;
+        GDN on CUDA): before them the decode rows' buffers are folded into their checkpoints (the
+        exact current state), and after them every such row restarts its window from the state
+        vLLM wrote."""
+        from vllm.forward_context import get_forward_context
+
+        meta = get_forward_context().attn_metadata
+        meta = meta.get(self.prefix) if isinstance(meta, dict) else None  # type: ignore[attr-defined]
+        chunked = meta is not None and meta.num_prefills > 0
+        rows = meta.non_spec_state_indices_tensor if chunked else None
+        if chunked:
+            self.settle(rows[: meta.num_decodes], buffered=True)
+        with self.base_forward():
+            yield
+        if chunked:
+            self.settle(rows[: meta.num_decodes + meta.num_prefills], buffered=False)
+
     def pool(self) -> tuple[DecodePool, Tensor]:
         """The decode pool over block ids and the cursors, viewing this layer's bound pages."""
         assert self.plan is not None
