@@ -164,8 +164,9 @@ def allocate(
             owners.append((li, h))
     n = len(costs)
     budget = math.floor(rank * n + 1e-9) if rank is not None else math.floor(bytes_per_token * window + 1e-6)
+    heads = _Heads(fits, costs, owners, budget)
     if allocation == "uniform":
-        choice = _uniform(fits, costs, owners, budget, rank, bytes_per_token, window)
+        choice = _uniform(heads, rank, bytes_per_token, window)
         exact, gap = True, 0.0
     else:
         try:
@@ -173,7 +174,7 @@ def allocate(
         except InfeasibleBudget as err:
             raise _infeasible(rank, bytes_per_token, err.min_cost, n, window) from None
         choice, exact, gap = res.choice, res.exact, res.value - res.lower_bound
-        kept = _uniform_if_no_worse(fits, costs, owners, budget, choice, selection[0][1])
+        kept = _uniform_if_no_worse(heads, choice, selection[0][1])
         if kept is not None:
             choice, exact, gap, fallback = kept, True, 0.0, True
     ranks = [[0] * f.heads for f in fits]
@@ -214,67 +215,65 @@ def allocate(
     return alloc
 
 
-def _uniform(
-    fits: list[LayerFit],
-    costs: list[list[int]],
-    owners: list[tuple[int, int]],
-    budget: int,
-    rank: float | None,
-    bytes_per_token: float | None,
-    window: int,
-) -> list[int]:
+@dataclass(frozen=True)
+class _Heads:
+    """The knapsack's items: every head's rank options (``fits[li].ranks``), their ``costs`` [head]
+    [option] and the (layer, head) that owns each row, under ``budget``."""
+
+    fits: list[LayerFit]
+    costs: list[list[int]]
+    owners: list[tuple[int, int]]
+    budget: int
+
+    def ranks(self) -> set[int]:
+        """The non-zero ranks some head can take."""
+        return {m for f in self.fits for m in f.ranks if m}
+
+
+def _uniform(heads: _Heads, rank: float | None, bytes_per_token: float | None, window: int) -> list[int]:
     """:func:`_uniform_choice`, refusing a mean rank that is not a rank every head can take."""
-    if rank is not None:
-        shared = {m for f in fits for m in f.ranks if m}
-        if rank not in shared and rank < max(f.key_dim for f in fits):
-            supported = ", ".join(str(m) for m in SUPPORTED_RANKS if m)
-            raise SketchcalError(
-                f"--allocation uniform needs a mean rank every head can take; {rank:g} is not one "
-                f"(supported ranks: {supported}); choose one of them"
-            )
-    choice = _uniform_choice(fits, costs, owners, budget)
+    if rank is not None and rank not in heads.ranks() and rank < max(f.key_dim for f in heads.fits):
+        supported = ", ".join(str(m) for m in SUPPORTED_RANKS if m)
+        raise SketchcalError(
+            f"--allocation uniform needs a mean rank every head can take; {rank:g} is not one "
+            f"(supported ranks: {supported}); choose one of them"
+        )
+    choice = _uniform_choice(heads)
     if choice is None:
-        raise _infeasible(rank, bytes_per_token, sum(min(c) for c in costs), len(costs), window)
+        raise _infeasible(rank, bytes_per_token, sum(min(c) for c in heads.costs), len(heads.costs), window)
     return choice
 
 
-def _uniform_choice(
-    fits: list[LayerFit], costs: list[list[int]], owners: list[tuple[int, int]], budget: int
-) -> list[int] | None:
+def _uniform_choice(heads: _Heads) -> list[int] | None:
     """The option index of every head for the largest rank all heads share within ``budget``
     (a head whose candidates stop below that rank reads densely), dense first: it fits only when
     the budget covers every head dense. None when not even the smallest rank fits."""
-    for m in [0, *sorted({m for f in fits for m in f.ranks if m}, reverse=True)]:
-        choice = [fits[li].ranks.index(m) if m in fits[li].ranks else 0 for li, _ in owners]
-        if sum(c[j] for c, j in zip(costs, choice, strict=True)) <= budget:
+    fits = heads.fits
+    for m in [0, *sorted(heads.ranks(), reverse=True)]:
+        choice = [fits[li].ranks.index(m) if m in fits[li].ranks else 0 for li, _ in heads.owners]
+        if sum(c[j] for c, j in zip(heads.costs, choice, strict=True)) <= heads.budget:
             return choice
     return None
 
 
-def _uniform_if_no_worse(
-    fits: list[LayerFit],
-    costs: list[list[int]],
-    owners: list[tuple[int, int]],
-    budget: int,
-    choice: list[int],
-    selected_on: str,
-) -> list[int] | None:
+def _uniform_if_no_worse(heads: _Heads, choice: list[int], selected_on: str) -> list[int] | None:
     """The uniform ranks' option indices when they fit ``budget`` and the held-out moments predict
     them no worse than ``choice``; else None.
 
     The knapsack minimises the curves of :func:`selection_curves` exactly, so on those curves it can
     never lose to uniform ranks; the guard needs an estimate that did not choose: the held-out
     moments when the held-out windows chose (none otherwise: no guard)."""
+    fits = heads.fits
     if selected_on != "held-out windows" or any(f.heldout_predicted is None for f in fits):
         return None
-    uniform = _uniform_choice(fits, costs, owners, budget)
+    uniform = _uniform_choice(heads)
     if uniform is None or uniform == choice:
         return None
 
     def check(opt: list[int]) -> float:
         return sum(
             float(fits[li].kl_scale[h] * fits[li].heldout_predicted[h, j].nan_to_num(0.0))
-            for (li, h), j in zip(owners, opt, strict=True)
+            for (li, h), j in zip(heads.owners, opt, strict=True)
         )
 
     return uniform if check(uniform) <= check(choice) else None

@@ -132,10 +132,10 @@ def heldout_errors(
 def compare_shrinkage(
     stats: Stats | str | Path,
     methods: Sequence[str] = ("ledoit_wolf", "oas", "none"),
-    ranks: Sequence[int] | None = None,
     *,
-    source: str = "measured",
     basis: str = "state",
+    ranks: Sequence[int] | None = None,
+    source: str = "measured",
 ) -> dict[str, dict[int, float]]:
     """Mean held-out relative read error per shrinkage estimator and uniform rank (state basis);
     ``ranks``, ``source`` as for :func:`heldout_errors`.

@@ -65,9 +65,10 @@ class TrafficModel:
     value_dim: int
     window: int
     heads_per_group: int = 1
-    state_bytes: int = 4
-    read_bytes: int = 4
-    buffer_bytes: int = 2
+    # bytes per value: the fp32 state, the copy the reads come from, the token buffer
+    state_bytes: int = DTYPE_BYTES["float32"]
+    read_bytes: int = DTYPE_BYTES["float32"]
+    buffer_bytes: int = DTYPE_BYTES["bfloat16"]
     adaptive: bool = False  # the adaptive sketch: a rank-r read is r·(V + K) values
 
     @property

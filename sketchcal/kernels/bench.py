@@ -781,28 +781,28 @@ def run_bench(
                 record(f"{name}_{suffix}", us, bm.window(window, sketch))
     std_window = window * ops["standard"]["us"]
     anchor_us = ops["anchor"]["us"] if "anchor" in ops else None
-    result = dict(
-        family=family,
-        model=shape.name,
-        shape=asdict(shape),
-        batch=batch,
-        window=window,
-        read_dtype=read_dtype,
-        pools=pools,
-        ranks=ranks,
-        mean_rank=sum(ranks) / len(ranks),
-        device=torch.cuda.get_device_name(dev) if cuda else "cpu (dry run)",
-        torch=torch.__version__,
-        copy_tbps=copy_tbps,
-        paged=paged,
-        configs={k: asdict(v) for k, v in cfg.items()},
-        tuning=tuning,
-        ops=ops,
-        anchors=anchors,
-        windows_us=dict(
+    result = {
+        "family": family,
+        "model": shape.name,
+        "shape": asdict(shape),
+        "batch": batch,
+        "window": window,
+        "read_dtype": read_dtype,
+        "pools": pools,
+        "ranks": ranks,
+        "mean_rank": sum(ranks) / len(ranks),
+        "device": torch.cuda.get_device_name(dev) if cuda else "cpu (dry run)",
+        "torch": torch.__version__,
+        "copy_tbps": copy_tbps,
+        "paged": paged,
+        "configs": {k: asdict(v) for k, v in cfg.items()},
+        "tuning": tuning,
+        "ops": ops,
+        "anchors": anchors,
+        "windows_us": dict(
             standard=std_window, replay=ops["replay_window"]["us"], sketch=ops["sketch_window"]["us"]
         ),
-        speedups=dict(
+        "speedups": dict(
             replay_vs_standard=std_window / ops["replay_window"]["us"],
             sketch_vs_standard=std_window / ops["sketch_window"]["us"],
             sketch_vs_replay=ops["replay_window"]["us"] / ops["sketch_window"]["us"],
@@ -811,7 +811,7 @@ def run_bench(
             replay_vs_anchor=window * anchor_us / ops["replay_window"]["us"] if anchor_us else None,
             **{f"{op}_vs_standard": std_window / ops[op]["us"] for op in ops if "_staggered" in op},
         ),
-    )
+    }
     return result
 
 

@@ -75,19 +75,21 @@ class DeltaRuleAdapter:
     """What the GDN and KDA adapters share: both families' kernel functions take query and key
     [B, T, Hk, K], value [B, T, H, V], a log-decay ``g`` and ``beta`` [B, T, H], and compute the
     same dynamics in prefill and decode. A subclass names its functions and its layer shape, and
-    gives transformers' own l2 norm and query scale for the family (their rounding differs)."""
+    says which of transformers' two l2-norm and query-scale forms the family uses (their rounding
+    differs)."""
 
     family: str
     prefill_fn: str
     decode_fn: str
+    rsqrt_form = False  # x / sqrt(Σx² + ε) and 1 / K^½ (KDA); True: x·rsqrt(Σx² + ε) and K^-½ (GDN)
 
-    @staticmethod
-    def l2norm(x: Tensor) -> Tensor:
-        raise NotImplementedError
+    def l2norm(self, x: Tensor) -> Tensor:
+        """transformers' l2 norm of the family, in float32 (ε = 1e-6)."""
+        sq = (x * x).sum(dim=-1, keepdim=True) + 1e-6
+        return x * torch.rsqrt(sq) if self.rsqrt_form else x / torch.sqrt(sq)
 
-    @staticmethod
-    def query_scale(key_dim: int) -> float:
-        raise NotImplementedError
+    def query_scale(self, key_dim: int) -> float:
+        return key_dim**-0.5 if self.rsqrt_form else 1 / key_dim**0.5
 
     def inputs(
         self, kind: str, args: ArgMap, dtype: torch.dtype = torch.float64, *, step_dynamics: bool = False

@@ -7,8 +7,7 @@ Key heads are the groups; each serves Hv/Hk consecutive value heads.
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 
 from sketchcal.models.base import DeltaRuleAdapter, LayerShape
 
@@ -17,15 +16,7 @@ class GdnAdapter(DeltaRuleAdapter):
     family = "gdn"
     prefill_fn = "torch_chunk_gated_delta_rule"
     decode_fn = "torch_recurrent_gated_delta_rule"
-
-    @staticmethod
-    def l2norm(x: Tensor) -> Tensor:
-        # transformers' GDN l2norm: x · rsqrt(Σx² + 1e-6), in float32
-        return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
-
-    @staticmethod
-    def query_scale(key_dim: int) -> float:
-        return key_dim**-0.5
+    rsqrt_form = True
 
     def layer_shape(self, mixer: nn.Module) -> LayerShape:
         heads, groups = mixer.num_v_heads, mixer.num_k_heads  # the key heads are the groups

@@ -37,20 +37,18 @@ from sketchcal.models.gdn import GdnAdapter
 from sketchcal.runtime.kernel_state import kernel_inputs
 from sketchcal.serving.vllm.layer import ServedLayer
 
-DECODE_MODULE = "vllm._custom_ops"
-DECODE_FUNCTION = "fused_sigmoid_gating_delta_rule_update_cpu"
 CUDA_DECODE = (
     "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn",
     "fused_recurrent_gated_delta_rule_packed_decode",
 )
 _ARGS = ("A_log", "dt_bias", "q", "k", "v", "a", "b", "initial_state_source", "initial_state_indices")
-_ADAPTER = GdnAdapter()
 
 
 class SketchQwenGatedDeltaNet(ServedLayer, QwenGatedDeltaNetAttention):
     """``QwenGatedDeltaNetAttention`` whose decode rows run sketchcal's replay or sketch step."""
 
-    decode_module, decode_function = DECODE_MODULE, DECODE_FUNCTION
+    vllm_decode = ("vllm._custom_ops", "fused_sigmoid_gating_delta_rule_update_cpu")
+    adapter = GdnAdapter()
 
     def layer_dims(self) -> tuple[int, int, int, int]:
         tp = self.tp_size
@@ -66,7 +64,7 @@ class SketchQwenGatedDeltaNet(ServedLayer, QwenGatedDeltaNetAttention):
         return self.serving is not None and self.serving.device == "cuda"
 
     def decode_target(self) -> tuple[str, str]:
-        return CUDA_DECODE if self.on_cuda else (DECODE_MODULE, DECODE_FUNCTION)
+        return CUDA_DECODE if self.on_cuda else self.vllm_decode
 
     def checkpoint_view(self, state: Tensor) -> Tensor:
         if self.on_cuda:
@@ -133,7 +131,7 @@ class SketchQwenGatedDeltaNet(ServedLayer, QwenGatedDeltaNetAttention):
             "beta": b.sigmoid()[:, None],
             "use_qk_l2norm_in_kernel": named.get("use_qk_l2norm_in_kernel", False),
         }
-        x, _ = _ADAPTER.inputs("decode", call)
+        x, _ = self.adapter.inputs("decode", call)
         xk = kernel_inputs(x, self.plan.groups, self.serving.buffer_dtype)
         pool, cursor = self.pool()
         return self.decoder.step(pool, cursor, blocks.reshape(-1), xk)

@@ -30,15 +30,12 @@ from sketchcal.models.kda import KdaAdapter
 from sketchcal.runtime.kernel_state import kernel_inputs
 from sketchcal.serving.vllm.layer import ServedLayer
 
-DECODE_MODULE = "vllm.models.kimi_k3.nvidia.ops.third_party.kda"
-DECODE_FUNCTION = "fused_recurrent_kda_packed_decode"
-_ADAPTER = KdaAdapter()
-
 
 class SketchKimiDeltaAttention(ServedLayer, KimiGatedDeltaNetAttention):
     """``KimiGatedDeltaNetAttention`` whose decode rows run sketchcal's replay or sketch step."""
 
-    decode_module, decode_function = DECODE_MODULE, DECODE_FUNCTION
+    adapter = KdaAdapter()
+    vllm_decode = ("vllm.models.kimi_k3.nvidia.ops.third_party.kda", "fused_recurrent_kda_packed_decode")
 
     def layer_dims(self) -> tuple[int, int, int, int]:
         h, d = self.local_num_heads, self.head_dim
@@ -78,7 +75,7 @@ class SketchKimiDeltaAttention(ServedLayer, KimiGatedDeltaNetAttention):
             "beta": kwargs["raw_beta"][0].float().sigmoid()[:, None],
             "use_qk_l2norm_in_kernel": True,
         }
-        x, _ = _ADAPTER.inputs("decode", call)
+        x, _ = self.adapter.inputs("decode", call)
         xk = kernel_inputs(x, self.plan.groups, self.serving.buffer_dtype)
         pool, cursor = self.pool()
         o = self.decoder.step(pool, cursor, kwargs["state_indices"].reshape(-1), xk)

@@ -78,9 +78,10 @@ class ServedLayer:
     layer_index: int = -1
     base_states: int = 2  # vLLM's own states at the front of the page (conv, recurrent)
 
-    # the module-level function vLLM's forward calls for the decode step (the family subclass)
-    decode_module: str = ""
-    decode_function: str = ""
+    # (module, function): what vLLM's forward calls for the decode step, and the family's adapter
+    # (the family subclass sets both)
+    vllm_decode: tuple[str, str] = ("", "")
+    adapter: Any = None
 
     def __init__(self, *args: Any, **kwargs: Any):
         from vllm.config import get_current_vllm_config
@@ -92,7 +93,7 @@ class ServedLayer:
 
     def decode_target(self) -> tuple[str, str]:
         """(module, function) of the decode call this layer's forward makes on its device."""
-        return self.decode_module, self.decode_function
+        return self.vllm_decode
 
     def layer_dims(self) -> tuple[int, int, int, int]:
         """(heads, groups, key dim, value dim) of this layer as vLLM built it (family subclass)."""

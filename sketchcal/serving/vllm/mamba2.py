@@ -22,15 +22,12 @@ from sketchcal.models.mamba2 import Mamba2Adapter
 from sketchcal.runtime.kernel_state import kernel_inputs
 from sketchcal.serving.vllm.layer import ServedLayer
 
-DECODE_MODULE = "vllm.model_executor.layers.mamba.mamba_mixer2"
-DECODE_FUNCTION = "selective_state_update"
-_ADAPTER = Mamba2Adapter()
-
 
 class SketchMambaMixer2(ServedLayer, MambaMixer2):
     """``MambaMixer2`` whose decode rows run sketchcal's replay or sketch step."""
 
-    decode_module, decode_function = DECODE_MODULE, DECODE_FUNCTION
+    vllm_decode = ("vllm.model_executor.layers.mamba.mamba_mixer2", "selective_state_update")
+    adapter = Mamba2Adapter()
 
     def layer_dims(self) -> tuple[int, int, int, int]:
         return (self.num_heads, self.n_groups, self.ssm_state_size, self.head_dim)
@@ -56,7 +53,7 @@ class SketchMambaMixer2(ServedLayer, MambaMixer2):
         named.update({k: v for k, v in kwargs.items() if k in names or k == "dt_softplus"})
         named.pop("state")  # the whole pool: the step reads its own views
         out = kwargs["out"]
-        x, _ = _ADAPTER.inputs("decode", named)
+        x, _ = self.adapter.inputs("decode", named)
         xk = kernel_inputs(x, self.n_groups, self.serving.buffer_dtype)
         pool, cursor = self.pool()
         o = self.decoder.step(pool, cursor, kwargs["state_batch_indices"].reshape(-1), xk)
