@@ -167,7 +167,7 @@ def test_allocation_never_predicted_worse_than_uniform(seed):
 @pytest.mark.parametrize(
     "kw,match",
     [
-        (dict(rank=2), "cannot be met"),
+        (dict(rank=1), "cannot be met"),
         (dict(rank=-1), "positive"),
         (dict(rank=0), "positive"),
         (dict(rank=17), "exceeds the key dim"),

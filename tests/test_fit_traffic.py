@@ -50,8 +50,8 @@ def test_window_one_is_standard_plus_nothing():
 
 
 def test_supported_ranks():
-    assert SUPPORTED_RANKS == (0, 4, 8, 12, 16, 24, 32, 48, 64)
+    assert SUPPORTED_RANKS == (0, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
     assert candidate_ranks(128) == list(SUPPORTED_RANKS)
-    assert candidate_ranks(16) == [0, 4, 8, 12]
-    assert candidate_ranks(4) == [0]
+    assert candidate_ranks(16) == [0, 2, 4, 6, 8, 12]
+    assert candidate_ranks(4) == [0, 2]
     assert effective_rank(0, 64) == 64 and effective_rank(8, 64) == 8

@@ -1,6 +1,6 @@
 """The sketch ranks a head may take, as the decode kernels define them (``sketchcal.kernels.common.pool``).
 
-``SUPPORTED_RANKS = (0, 4, 8, 12, 16, 24, 32, 48, 64)``; 0 means *dense*: the head reads its full
+``SUPPORTED_RANKS = (0, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)``; 0 means *dense*: the head reads its full
 checkpoint (exact ReplaySSM read, no sketch). For a head with key dim K only ranks ``0 < m < K`` are
 candidates (:func:`candidate_ranks`): a rank-K sketch reads as many bytes as the dense read and is
 exact too, so dense covers it.

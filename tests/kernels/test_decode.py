@@ -39,11 +39,13 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _ranks(heads: int, key_dim: int, real: bool) -> list[int]:
+    """Per-head ranks of a case: one dense head and ranks that are no multiple of 4 among them."""
     if real:
         ranks = rank_spread(heads, 8, key_dim)
-        ranks[1] = 0  # one dense head
+        ranks[1:4] = [0, 2, 6]
         return ranks
-    return [[0, 4, 8, 12][i % 4] for i in range(heads)]
+    pattern = [0, 2, 4, 6, 8, 12]  # the two CPU shapes (4 and 2 heads) cover every rank below 16
+    return [pattern[(i + heads) % len(pattern)] for i in range(heads)]
 
 
 def _unaddressed(slots: torch.Tensor, n_slots: int) -> list[int]:
@@ -934,10 +936,10 @@ def test_kda_sweep_flush_many_heads_per_program_gpu(op, capacity, config):
 @pytest.mark.parametrize("config", KDA_SWEEP, ids=SWEEP_IDS)
 def test_kda_sweep_flush_odd_ranks_gpu(config):
     """The sweep flush copies a head's frame rows into shared memory 8 or 16 at a time: ranks up to
-    the largest supported (64: eight rounds of 8), ranks that are no multiple of that count (12, 24,
-    48), and dense heads, against the float64 reference."""
+    the largest supported (64: eight rounds of 8), ranks that are no multiple of that count (2, 6,
+    12, 24, 48), and dense heads, against the float64 reference."""
     h = GPU_SHAPES["kda"][0]
-    ranks = [[4, 12, 0, 48, 64, 24, 8, 16, 32][i % 9] for i in range(h)]
+    ranks = [[4, 12, 0, 48, 64, 24, 8, 16, 32, 2, 6][i % 11] for i in range(h)]
     _many_heads_per_program("kda", "flush_sketch", 16, config, cyclic=True, ranks=ranks)
 
 

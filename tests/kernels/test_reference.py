@@ -103,7 +103,12 @@ def test_ranks_and_tables():
     assert sum(rank_spread(64, 8, 128)) == 8 * 64
     assert set(rank_spread(64, 8, 128)) <= set(SUPPORTED_RANKS)
     assert rank_spread(8, 0, 128) == [0] * 8
-    assert clip_rank(5, 128) == 8 and clip_rank(100, 64) == 0 and clip_rank(64, 128) == 64
+    assert (
+        clip_rank(5, 128) == 6
+        and clip_rank(7, 128) == 8
+        and clip_rank(100, 64) == 0
+        and clip_rank(64, 128) == 64
+    )
     t = random_sketch("gdn", [4, 8, 0, 12], 2, 16, torch.Generator().manual_seed(0))
     assert t.read_rows.tolist() == [0, 0, 16, 0] and t.maps.shape == (4, 12, 16)
     t = random_sketch("kda", [4, 0], 2, 16, torch.Generator().manual_seed(0))
@@ -152,11 +157,12 @@ def test_tables_from_an_artifact_layer(family):
 
 def test_candidate_ranks():
     assert candidate_ranks(128) == list(SUPPORTED_RANKS)
-    assert candidate_ranks(16) == [0, 4, 8, 12]
-    assert candidate_ranks(4) == [0]
+    assert candidate_ranks(16) == [0, 2, 4, 6, 8, 12]
+    assert candidate_ranks(4) == [0, 2]
+    assert candidate_ranks(2) == [0]
     assert (
         clip_rank(0, 128) == 0
-        and clip_rank(1, 16) == 4
+        and clip_rank(1, 16) == 2
         and clip_rank(12, 16) == 12
         and clip_rank(13, 16) == 0
     )

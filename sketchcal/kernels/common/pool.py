@@ -33,9 +33,10 @@ from sketchcal.kernels.common.recurrence import StepInputs
 
 FAMILIES = ("mamba2", "gdn", "kda")
 # The sketch ranks the kernels support; 0 means dense: the head reads its full read copy (exact).
-# Non-zero ranks are multiples of 4 so that the sketch rows tile the kernels' key blocks; above 16
-# the steps grow geometrically because the error curves flatten there.
-SUPPORTED_RANKS: tuple[int, ...] = (0, 4, 8, 12, 16, 24, 32, 48, 64)
+# Every kernel masks a head's sketch rows by its rank, so any rank runs; these are the ones the
+# allocation chooses among: steps of 2 up to 8, where heads whose states are nearly low-rank
+# (Mamba-2's) differ, then geometric steps, because the error curves flatten there.
+SUPPORTED_RANKS: tuple[int, ...] = (0, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 def candidate_ranks(key_dim: int) -> list[int]:
