@@ -39,11 +39,13 @@ from torch import Tensor
 
 from sketchcal.errors import SketchcalError
 from sketchcal.kernels import dispatch
+from sketchcal.kernels.common.adaptive import AdaptiveSketch
 from sketchcal.kernels.common.pool import (
     DecodePool,
     SketchTables,
     allocate_pool,
     check_family,
+    clip_rank,
     random_sketch,
     rank_spread,
 )
@@ -779,6 +781,8 @@ def run_bench(
             for suffix, overlap in (("staggered", True), ("staggered_serial", False)):
                 us = timer(staggered_fn(sketch, overlap), pools)
                 record(f"{name}_{suffix}", us, bm.window(window, sketch))
+    if not paged and any(ranks) and rd.itemsize > 1:  # (the adaptive sketch: dense bf16 / fp32 pools)
+        _time_adaptive(family, ranks, shape, make_pool, slots, pos, xs, outs, cfg, timer, record, ops, window)
     std_window = window * ops["standard"]["us"]
     anchor_us = ops["anchor"]["us"] if "anchor" in ops else None
     result = {
@@ -810,9 +814,61 @@ def run_bench(
             sketch_vs_anchor=window * anchor_us / ops["sketch_window"]["us"] if anchor_us else None,
             replay_vs_anchor=window * anchor_us / ops["replay_window"]["us"] if anchor_us else None,
             **{f"{op}_vs_standard": std_window / ops[op]["us"] for op in ops if "_staggered" in op},
+            **(
+                {
+                    "adaptive_vs_standard": std_window / ops["adaptive_window"]["us"],
+                    "adaptive_vs_sketch": ops["sketch_window"]["us"] / ops["adaptive_window"]["us"],
+                }
+                if "adaptive_window" in ops
+                else {}
+            ),
         ),
     }
     return result
+
+
+def _time_adaptive(
+    family: str, ranks: list[int], shape: ModelShape, make_pool, slots, pos, xs, outs, cfg, timer, record,
+    ops: dict, window: int,
+) -> None:  # fmt: skip
+    """The adaptive sketch's step, flush (its factors included) and window, at the ranks that read
+    the static sketch's bytes (``fit.traffic.adaptive_ranks``), on pools of their own. Its bytes
+    are the static window's plus the flush's extra pass over the checkpoint."""
+    from sketchcal.fit.traffic import adaptive_ranks
+
+    kd, vd = shape.key_dim, shape.value_dim
+    a_ranks = adaptive_ranks(ranks, kd, vd)
+    snapped = [clip_rank(r, kd) for r in a_ranks]
+    tables = random_sketch(family, snapped, shape.groups, kd, torch.Generator().manual_seed(1))
+    tables = replace(tables, ranks=torch.tensor(a_ranks, dtype=torch.int32)).to(slots.device)
+    a_pools = [make_pool() for _ in outs]
+    sketches = [AdaptiveSketch.allocate(tables, p) for p in a_pools]
+    c_read, c_flush = replace(cfg["sketch"], form="read"), cfg["flush_sketch"]
+
+    def steps() -> None:
+        for t in range(window - 1):
+            for i, pool in enumerate(a_pools):
+                dispatch.spec_verify(
+                    family, pool, slots, pos[t], xs[t], outs[i], config=c_read, adaptive=sketches[i]
+                )
+
+    def flush() -> None:
+        for i, pool in enumerate(a_pools):
+            dispatch.flush(
+                family, pool, slots, pos[window - 1], xs[window - 1], outs[i], config=c_flush,
+                adaptive=sketches[i],
+            )  # fmt: skip
+
+    def window_fn() -> None:
+        steps()
+        flush()
+
+    n = len(a_pools)
+    pass_bytes = a_pools[0].state.numel() * a_pools[0].state.element_size()
+    record("adaptive_step", timer(steps, (window - 1) * n), ops["sketch_step"]["bytes"])
+    record("adaptive_flush", timer(flush, n), ops["sketch_flush"]["bytes"] + pass_bytes)
+    record("adaptive_window", timer(window_fn, n), ops["sketch_window"]["bytes"] + pass_bytes)
+    ops["adaptive_window"]["mean_rank"] = sum(a_ranks) / len(a_ranks)
 
 
 def print_bench(result: dict, console=None) -> None:
@@ -839,6 +895,13 @@ def print_bench(result: dict, console=None) -> None:
         f"window speedup over standard: replay {s['replay_vs_standard']:.2f}×, sketch "
         f"{s['sketch_vs_standard']:.2f}× (sketch vs replay {s['sketch_vs_replay']:.2f}×)"
     )
+    if "adaptive_vs_standard" in s:
+        mean = result["ops"]["adaptive_window"]["mean_rank"]
+        console.print(
+            f"adaptive sketch (mean rank {mean:.1f}, the static sketch's read bytes): window "
+            f"{s['adaptive_vs_standard']:.2f}× over standard, {s['adaptive_vs_sketch']:.0%} of the static "
+            "sketch window's speed"
+        )
     std_us = result["ops"]["standard"]["us"]
     for name, a in result["anchors"].items():
         if "us" in a:

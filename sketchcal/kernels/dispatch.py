@@ -45,6 +45,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from sketchcal.kernels.common.adaptive import AdaptiveSketch, factor
 from sketchcal.kernels.common.pool import (
     FAMILIES,
     DecodePool,
@@ -387,12 +388,16 @@ READ_TOKENS_PER_LAUNCH = 4
 def spec_verify(
     family: str, pool: DecodePool, slots: Tensor, pos: Tensor, x: StepInputs, out: Tensor | None = None, *,
     tables: SketchTables | None = None, config: KernelConfig | None = None,
+    adaptive: AdaptiveSketch | None = None,
 ) -> Tensor:  # fmt: skip
     """Outputs of T tokens following the ``pos[b]`` buffered ones, read from the checkpoint's read
-    copy (``tables`` None: replay) or its sketch, plus the buffer; no state is materialised or
-    written. The T tokens are appended to the buffer at ``pos[b]`` (entries past the capacity are
-    dropped: keep ``pos + T ≤ C``). Returns ``out`` [B, T, H, V]."""
+    copy (``tables`` None: replay), its sketch, or with ``adaptive`` its adaptive factors (the
+    one-kernel read, dense pools), plus the buffer; no state is materialised or written. The T
+    tokens are appended to the buffer at ``pos[b]`` (entries past the capacity are dropped: keep
+    ``pos + T ≤ C``). Returns ``out`` [B, T, H, V]."""
     _, t, _, _, _, h = _dims(family, x, pool.heads)
+    if adaptive is not None:
+        tables = _adaptive_tables(pool, adaptive)
     sketch = tables is not None
     _window_pool(pool, sketch)
     if pool.read is None:
@@ -401,6 +406,18 @@ def spec_verify(
     cfg = config or default_config(kernel, family, pool.read.dtype)
     _launcher(cfg, kernel, family)  # the config's own form must serve this kernel
     out = _out(out, x, h, t)
+    if adaptive is not None:  # per-slot maps: the one-kernel read, READ_TOKENS_PER_LAUNCH at a time
+        from sketchcal.kernels.common import read
+
+        cfg = replace(cfg, form="read")
+        for start in range(0, t, READ_TOKENS_PER_LAUNCH):
+            stop = min(start + READ_TOKENS_PER_LAUNCH, t)
+            part = x.tokens(slice(start, stop)).map(Tensor.contiguous) if t > 1 else x
+            part_out = out[:, start:stop].contiguous() if t > 1 else out
+            read.launch(family, pool, tables, slots, pos + start, part, part_out, cfg, adaptive)
+            if t > 1:
+                out[:, start:stop].copy_(part_out)
+        return out
     if t <= READ_TOKENS_PER_LAUNCH:
         cfg = runnable(cfg, family, pool, tables, t)
         _launcher(cfg, kernel, family)(family, pool, tables, slots, pos, x, out, cfg)
@@ -427,22 +444,26 @@ def replay_step(
 
 def sketch_step(
     family: str, pool: DecodePool, tables: SketchTables, slots: Tensor, pos: Tensor, x: StepInputs,
-    out: Tensor | None = None, *, config: KernelConfig | None = None,
+    out: Tensor | None = None, *, config: KernelConfig | None = None, adaptive: AdaptiveSketch | None = None,
 ) -> Tensor:  # fmt: skip
-    """SketchSSM non-flush step (T = 1): sketch rows + buffer + coefficient map; dense (rank-0)
-    heads read the full read copy."""
-    return spec_verify(family, pool, slots, pos, x, out, tables=tables, config=config)
+    """SketchSSM non-flush step (T = 1): sketch rows + buffer + coefficient map (``adaptive``: each
+    slot's own factors); dense (rank-0) heads read the full read copy."""
+    return spec_verify(family, pool, slots, pos, x, out, tables=tables, config=config, adaptive=adaptive)
 
 
 def flush(
     family: str, pool: DecodePool, slots: Tensor, pos: Tensor, x: StepInputs | None = None,
     out: Tensor | None = None, *, tables: SketchTables | None = None, config: KernelConfig | None = None,
+    adaptive: AdaptiveSketch | None = None,
 ) -> Tensor | None:  # fmt: skip
     """Fold the ``pos[b]`` buffered tokens, then ``x``'s single token if given (its output is
     returned), exactly into the fp32 checkpoint ``pool.state``; refresh the read copy: every row
     (``tables`` None, replay mode) or ``tables.read_rows`` per head (sketch mode: the dense
-    heads), and in sketch mode the sketch ``R_{:m} S_c`` of each head of rank m > 0. The caller
-    then resets ``pos`` to 0."""
+    heads), and in sketch mode the sketch ``R_{:m} S_c`` of each head of rank m > 0; with
+    ``adaptive``, then each flushed slot's adaptive factors (``common.adaptive.factor``). The
+    caller then resets ``pos`` to 0."""
+    if adaptive is not None:
+        tables = _adaptive_tables(pool, adaptive)
     sketch = tables is not None
     _window_pool(pool, sketch)
     if x is not None:
@@ -458,4 +479,14 @@ def flush(
     _launcher(cfg, kernel, family)
     cfg = runnable(cfg, family, pool, tables, 1)
     _launcher(cfg, kernel, family)(family, pool, tables, slots, pos, x, out, cfg)
+    if adaptive is not None:
+        factor(pool, adaptive, slots)
     return out
+
+
+def _adaptive_tables(pool: DecodePool, adaptive: AdaptiveSketch) -> SketchTables:
+    if not is_dense(pool):
+        raise ValueError("the adaptive sketch runs on dense pools only, not on paged ones")
+    if adaptive.slots != pool.state.shape[0] or adaptive.rows.device != pool.state.device:
+        raise ValueError("the adaptive sketch was allocated for another pool (AdaptiveSketch.allocate)")
+    return adaptive.tables

@@ -308,3 +308,21 @@ def test_paged_dry_run_runs_the_forms_that_take_slot_strides():
     }
     with pytest.raises(SketchcalError, match="drop --tune"):
         bench.run_bench("gdn", 2, tune=True, paged=True, _cpu_dry_run=True)
+
+
+@pytest.mark.parametrize("family", ["mamba2", "gdn"])
+def test_adaptive_dry_run_times_the_adaptive_window_at_the_static_read_bytes(family):
+    """Beside the static sketch the benchmark times the adaptive one, at the ranks that read no more
+    bytes (``fit.traffic.adaptive_ranks``), on its own pools; a paged run leaves it out."""
+    from sketchcal.fit.traffic import adaptive_ranks
+
+    shape = bench.ModelShape("tiny", heads=4, groups=2, key_dim=16, value_dim=V)
+    kw = dict(rank=8, window=3, pools=1, shape=shape, anchor=False, replays=1, _cpu_dry_run=True)
+    r = bench.run_bench(family, 2, **kw)
+    ops, s = r["ops"], r["speedups"]
+    assert {"adaptive_step", "adaptive_flush", "adaptive_window"} <= set(ops)
+    want = adaptive_ranks(r["ranks"], 16, V)
+    assert ops["adaptive_window"]["mean_rank"] == sum(want) / len(want) < r["mean_rank"]
+    assert ops["adaptive_flush"]["bytes"] > ops["sketch_flush"]["bytes"]
+    assert s["adaptive_vs_sketch"] == pytest.approx(ops["sketch_window"]["us"] / ops["adaptive_window"]["us"])
+    assert "adaptive_window" not in bench.run_bench(family, 2, paged=True, **kw)["ops"]

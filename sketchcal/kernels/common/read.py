@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from sketchcal.kernels.common.adaptive import AdaptiveSketch
 from sketchcal.kernels.common.pool import DecodePool, SketchTables, is_dense, slot_strides, value_major
 from sketchcal.kernels.common.recurrence import StepInputs
 from sketchcal.kernels.common.triton_helpers import (
@@ -48,13 +49,14 @@ def _read_kernel(
     V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, M: tl.constexpr, FAMILY: tl.constexpr,
     SKETCH: tl.constexpr, HAS_SKIP: tl.constexpr, GROUP: tl.constexpr, DENSE_ROWS: tl.constexpr,
     EARLY_MAP: tl.constexpr, PREFETCH: tl.constexpr, LOG2_DECAY: tl.constexpr, PAGED: tl.constexpr,
-    RD_VM: tl.constexpr, PDL: tl.constexpr,
+    RD_VM: tl.constexpr, SLOT_MAPS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """The reads (replay, sketch, spec_verify). ``LOG2_DECAY`` (KDA): the buffered decays are read
     as log₂ in bf16 from ``buf_logdecay`` (half the bytes; the flush keeps the fp32 ones), which
     each appended token also gets. ``PAGED``: the pool is not dense (``pool.is_dense``), each tensor's
     slot part is at its slot stride ``ss_*`` (buf_k, buf_w, buf_decay, buf_beta, buf_logdecay, rd,
-    sk); ``RD_VM``: the read copy is value-major."""
+    sk); ``RD_VM``: the read copy is value-major. ``SLOT_MAPS`` (the adaptive sketch, dense pools):
+    ``maps`` and ``sk`` hold each slot's own map and sketch rows ([N, H, M, K], [N, H, M, V])."""
     dependent_launch(PDL)
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -77,6 +79,7 @@ def _read_kernel(
     else:  # dense [N, ...] arrays: the head's and group's index over all slots
         sh, sg = s * H + i_h, s * G + i_g
     m = tl.load(ranks + i_h) if SKETCH else 0
+    mh = sh if SLOT_MAPS else i_h  # the map's head: one per slot and head, or one per head
     x0 = i_b * T
     k0, w0, d0, b0 = load_token(
         k, w, decay, beta, (x0 * G + i_g) * K, (x0 * H + i_h) * V, x0 * H + i_h, o_k, o_v, i_b >= 0, K, V,
@@ -84,7 +87,7 @@ def _read_kernel(
     )  # fmt: skip
     q0 = tl.load(q + (x0 * G + i_g) * K + o_k).to(tl.float32)
     if SKETCH and EARLY_MAP:  # noqa: SIM108  (a constexpr branch)
-        pm0 = first_map_rows(maps, i_h, o_k, K, M)
+        pm0 = first_map_rows(maps, mh, o_k, K, M)
     else:
         pm0 = tl.zeros([8, K], dtype=tl.float32)
     sk_h = sk + sh * sk_head_stride
@@ -187,7 +190,7 @@ def _read_kernel(
             pm0,
             st0,
             maps,
-            i_h,
+            mh,
             o_k,
             o_v,
             K,
@@ -215,22 +218,26 @@ def read_options(cfg, key_dim: int) -> dict:
 
 def launch(
     family: str, pool: DecodePool, tables: SketchTables | None, slots: Tensor, pos: Tensor, x: StepInputs,
-    out: Tensor, cfg,
+    out: Tensor, cfg, adaptive: AdaptiveSketch | None = None,
 ) -> None:  # fmt: skip
     """:func:`_read_kernel` over (V / BV, H, B) for a checked window pool and inputs: reads the
-    read copy (``tables`` None: replay) or the sketch, writes ``out`` [B, T, H, V]."""
+    read copy (``tables`` None: replay), the sketch, or with ``adaptive`` (a dense pool; ``tables``
+    is its tables) each slot's adaptive factors; writes ``out`` [B, T, H, V]."""
     b, t, g, kd = x.k.shape
     h, vd = pool.heads, x.w.shape[-1]
     bv = clip_block_v(cfg.block_v, vd)
     sketch = tables is not None
     sk = pool.sketch if sketch else pool.read
+    maps = tables.maps if sketch else pool.buf_decay
+    if adaptive is not None:
+        sk, maps = adaptive.rows, adaptive.maps
     paged = not is_dense(pool)  # only a paged pool may read a value-major (fp32) read copy
     _read_kernel[(vd // bv, h, b)](
         slots, pos, x.q, x.k, x.w, x.decay, beta_or_placeholder(x), x.skip if x.skip is not None else x.w,
         out, pool.buf_k, pool.buf_w, pool.buf_decay,
         pool.buf_beta if pool.buf_beta is not None else pool.buf_decay,
         pool.buf_logdecay if pool.buf_logdecay is not None else pool.buf_decay, pool.read, sk,
-        tables.ranks if sketch else slots, tables.maps if sketch else pool.buf_decay,
+        tables.ranks if sketch else slots, maps,
         sk.shape[2] * sk.shape[3],
         *slot_strides(
             pool, "buf_k", "buf_w", "buf_decay", "buf_beta", "buf_logdecay", fallback=pool.buf_decay
@@ -238,6 +245,7 @@ def launch(
         pool.read.stride(0), sk.stride(0), T=t, H=h, G=g, K=kd, V=vd, BV=bv, C=pool.capacity,
         M=tables.map_rows if sketch else 1, FAMILY=FAMILY_ID[family], SKETCH=sketch,
         HAS_SKIP=x.skip is not None, LOG2_DECAY=pool.buf_logdecay is not None,
-        PAGED=paged, RD_VM=paged and value_major(pool.read), **read_options(cfg, kd),
+        PAGED=paged, RD_VM=paged and value_major(pool.read), SLOT_MAPS=adaptive is not None,
+        **read_options(cfg, kd),
         **launch_options(cfg.num_warps, cfg.maxnreg, pool.state.device),
     )  # fmt: skip
