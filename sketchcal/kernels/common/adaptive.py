@@ -1,23 +1,22 @@
 """The adaptive sketch on the kernels: a map made for each checkpoint at its flush.
 
 A flush writes the sketch rows ``T = R_{:m} S_c`` [m, V] of every head of rank m, as for the
-static sketch (``pool.sketch``). :func:`factor` turns them into the adaptive read's factors,
-per flushed slot and head, in the same math as ``reference.adaptive_factor`` (other basis of the
-same span):
+static sketch (``pool.sketch``). :func:`factor` (one Triton kernel, a program per batch entry and
+head) turns them into the adaptive read's factors, in the math of ``reference.adaptive_factor``
+(another orthonormal basis of the same span):
 
-    G = T Tᵀ = L Lᵀ            (Cholesky, M × M; a row r ≥ m gets G_rr = 1, so L stays regular)
-    Qᵀ = L⁻¹ T                 [M, V], orthonormal rows spanning those of T
-    P_S = L⁻¹ (T S_cᵀ) = Qᵀ S_cᵀ   [M, K], one more pass over the checkpoint
+    Qᵀ = orth(T)          [M, V]: Gram–Schmidt over T's rows, twice per row (rows past m zero)
+    P_S = Qᵀ S_cᵀ          [M, K]: one more pass over the checkpoint
 
 The read of effective query ``u`` is then ``Q (P_S u)``: ``S_cᵀ u`` projected onto the span of
-``S_cᵀ R_{:m}ᵀ``, what the reference's SVD gives, up to rounding. The read kernel takes
-``P_S`` and ``Qᵀ`` as per-slot coefficient maps and sketch rows (:class:`AdaptiveSketch`), so a
-sketch step reads ``m·(K + V)`` values per head instead of ``m·V``. Dense heads (rank 0) read
-their read copy as in the static sketch.
+``S_cᵀ R_{:m}ᵀ``, what the reference's SVD gives, up to rounding. The read kernel takes ``P_S``
+and ``Qᵀ`` as per-slot coefficient maps and sketch rows (:class:`AdaptiveSketch`), so a sketch
+step reads ``m·(K + V)`` values per head instead of ``m·V``. Dense heads (rank 0) read their
+read copy as in the static sketch.
 
-A direction of ``T`` below ``2⁻²⁰`` of its head's largest (a rank-deficient state, or one that is
-still zero) is damped by the ``EPS`` ridge instead of being dropped, as the reference drops
-singular values below its tolerance; either way the read of it is negligible.
+A row of ``T`` whose part orthogonal to the rows before it is below ``TOL`` of the largest row
+(a rank-deficient state, or one that is still zero) gets a zero row of Qᵀ, as the reference
+drops singular values below its tolerance; either way the read of it is negligible.
 """
 
 from __future__ import annotations
@@ -25,11 +24,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
 
-from sketchcal.kernels.common.pool import DecodePool, SketchTables
+from sketchcal.kernels.common.pool import DecodePool, SketchTables, next_pow2
 
-EPS = 2.0**-40  # ridge on G, relative to the head's largest diagonal entry (T's energy squared)
+TOL = 2.0**-20  # a row of T with less of its own direction than this (relative) is dropped
 
 
 @dataclass
@@ -38,8 +39,8 @@ class AdaptiveSketch:
     heads) and the per-slot factors the flushes write.
 
         tables  the layer's :class:`SketchTables` (its ``maps`` are not read)
-        rows    [N + 1, H, M, V] Qᵀ per slot (read dtype); row N takes padding entries' writes
-        maps    [N + 1, H, M, K] P_S per slot (read dtype); row N as ``rows``
+        rows    [N, H, M, V] Qᵀ per slot (the pool's sketch dtype), M = ``tables.map_rows``
+        maps    [N, H, M, K] P_S per slot, as ``rows``
     """
 
     tables: SketchTables
@@ -57,31 +58,58 @@ class AdaptiveSketch:
         n, h, kd, vd = pool.state.shape
         m = tables.map_rows
         z = dict(dtype=pool.sketch.dtype, device=pool.sketch.device)
-        return cls(tables, torch.zeros(n + 1, h, m, vd, **z), torch.zeros(n + 1, h, m, kd, **z))
+        return cls(tables, torch.zeros(n, h, m, vd, **z), torch.zeros(n, h, m, kd, **z))
 
     @property
     def slots(self) -> int:
-        return self.rows.shape[0] - 1
+        return self.rows.shape[0]
+
+
+@triton.jit
+def _factor_kernel(
+    slots, state, sketch, rows, maps, ranks, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    M: tl.constexpr, MP: tl.constexpr, SM: tl.constexpr, BK: tl.constexpr, TOL: tl.constexpr,
+):  # fmt: skip
+    """Program (head, batch entry): Qᵀ [M, V] and P_S [M, K] of the entry's slot and head (nothing
+    for padding). ``sketch`` [N, H, SM, V] the flush's rows T, ``state`` [N, H, K, V] fp32."""
+    i_h = tl.program_id(0)
+    i_b = tl.program_id(1)
+    s = tl.load(slots + i_b).to(tl.int64)
+    live = s >= 0
+    sh = tl.where(live, s, 0) * H + i_h
+    m = tl.load(ranks + i_h)
+    o_r = tl.arange(0, MP)
+    o_v = tl.arange(0, V)
+    t = tl.load(sketch + (sh * SM + o_r[:, None]) * V + o_v[None, :], mask=o_r[:, None] < m, other=0.0)
+    t = t.to(tl.float32)
+    largest = tl.max(tl.sqrt(tl.sum(t * t, axis=1)), axis=0)
+    q = tl.zeros([MP, V], dtype=tl.float32)
+    for i in tl.static_range(MP):
+        row = tl.sum(tl.where(o_r[:, None] == i, t, 0.0), axis=0)  # [V]
+        for _ in tl.static_range(2):  # rows ≥ i of q are still zero
+            row -= tl.sum(tl.sum(q * row[None, :], axis=1)[:, None] * q, axis=0)
+        norm = tl.sqrt(tl.sum(row * row, axis=0))
+        keep = norm > TOL * largest
+        row = tl.where(keep, row / tl.where(keep, norm, 1.0), 0.0)
+        q = tl.where(o_r[:, None] == i, row[None, :], q)
+    out_rows = o_r[:, None] < tl.where(live, M, 0)
+    tl.store(rows + (sh * M + o_r[:, None]) * V + o_v[None, :], q.to(rows.dtype.element_ty), mask=out_rows)
+    for k0 in tl.static_range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        s_blk = tl.load(state + (sh * K + o_k[:, None]) * V + o_v[None, :])  # [BK, V]
+        p = tl.dot(q, tl.trans(s_blk), input_precision="ieee")  # [MP, BK]
+        tl.store(
+            maps + (sh * M + o_r[:, None]) * K + o_k[None, :], p.to(maps.dtype.element_ty), mask=out_rows
+        )
 
 
 def factor(pool: DecodePool, sketch: AdaptiveSketch, slots: Tensor) -> None:
     """The adaptive factors of the checkpoints ``pool.state[slots]`` from the sketch rows their
     flush just wrote (``pool.sketch[slots]``), into ``sketch.rows`` / ``sketch.maps``; entries
-    with a negative slot write row N. Torch operations on the device, no host synchronisation."""
+    with a negative slot write nothing."""
+    _, h, kd, vd = pool.state.shape
     m = sketch.tables.map_rows
-    live = slots >= 0
-    idx = slots.clamp_min(0).long()
-    t = pool.sketch.index_select(0, idx)[:, :, :m].float()  # [B, H, M, V]
-    t = t * sketch.tables.rank_mask().to(t)[None, :, :, None]
-    s = pool.state.index_select(0, idx)  # [B, H, K, V] fp32 (key-major)
-    g = t @ t.transpose(-1, -2)  # [B, H, M, M]
-    diag = g.diagonal(dim1=-2, dim2=-1)
-    unused = ~sketch.tables.rank_mask()[None]  # [1, H, M]
-    ridge = (EPS * diag.amax(-1, keepdim=True)).clamp_min(1e-30)  # a zero state: L = 1e-15 I, Qᵀ = 0
-    g = g + torch.diag_embed(torch.where(unused, torch.ones_like(diag), ridge.expand_as(diag)))
-    chol, _ = torch.linalg.cholesky_ex(g)
-    qt = torch.linalg.solve_triangular(chol, t, upper=False)  # [B, H, M, V]
-    p = torch.linalg.solve_triangular(chol, t @ s.transpose(-1, -2), upper=False)  # [B, H, M, K]
-    dest = torch.where(live, idx, torch.full_like(idx, sketch.slots))
-    sketch.rows.index_copy_(0, dest, qt.to(sketch.rows.dtype))
-    sketch.maps.index_copy_(0, dest, p.to(sketch.maps.dtype))
+    _factor_kernel[(h, slots.numel())](
+        slots, pool.state, pool.sketch, sketch.rows, sketch.maps, sketch.tables.ranks, H=h, K=kd, V=vd,
+        M=m, MP=max(16, next_pow2(m)), SM=pool.sketch.shape[2], BK=16, TOL=TOL, num_warps=4,
+    )  # fmt: skip

@@ -338,7 +338,8 @@ def dense_read(v, rd_h, o_k, o_v, V: tl.constexpr, K: tl.constexpr, ROWS: tl.con
 def first_map_rows(maps, i_h, o_k, K: tl.constexpr, M: tl.constexpr):
     """The first 8 rows of head ``i_h``'s coefficient map [8, K] (rows past the table's M: 0)."""
     o_r = tl.arange(0, 8)
-    return tl.load(maps + (i_h * M + o_r[:, None]) * K + o_k[None, :], mask=o_r[:, None] < M, other=0.0)
+    rows = tl.load(maps + (i_h * M + o_r[:, None]) * K + o_k[None, :], mask=o_r[:, None] < M, other=0.0)
+    return rows.to(tl.float32)
 
 
 @triton.jit
