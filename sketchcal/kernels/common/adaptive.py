@@ -29,6 +29,7 @@ import triton.language as tl
 from torch import Tensor
 
 from sketchcal.kernels.common.pool import DecodePool, SketchTables, next_pow2
+from sketchcal.kernels.common.triton_helpers import interpreting
 
 TOL = 2.0**-20  # a row of T with less of its own direction than this (relative) is dropped
 
@@ -115,10 +116,12 @@ def factor(
     slower on an H200). ``P_S`` comes from the tensor cores in TF32 when it is stored in bf16
     (TF32's rounding, 2⁻¹¹, is below bf16's), else in three TF32 products (about fp32's)."""
     precision = "tf32" if sketch.maps.dtype.itemsize < 4 else "tf32x3"
+    if interpreting():  # (the interpreter multiplies in fp32 and takes no TF32)
+        precision = "ieee"
     _, h, kd, vd = pool.state.shape
     m = sketch.tables.map_rows
     _factor_kernel[(h, slots.numel())](
         slots, pool.state, pool.sketch, sketch.rows, sketch.maps, sketch.tables.ranks, H=h, K=kd, V=vd,
-        M=m, MP=max(16, next_pow2(m)), SM=pool.sketch.shape[2], BK=block_k, TOL=TOL,
+        M=m, MP=max(16, next_pow2(m)), SM=pool.sketch.shape[2], BK=min(block_k, kd), TOL=TOL,
         PRECISION=precision, num_warps=num_warps,
     )  # fmt: skip
