@@ -98,11 +98,11 @@ def _factor_kernel(
     tl.store(rows + (sh * M + o_r[:, None]) * V + o_v[None, :], q.to(rows.dtype.element_ty), mask=out_rows)
     for k0 in tl.static_range(0, K, BK):
         o_k = k0 + tl.arange(0, BK)
-        s_blk = tl.load(state + (sh * K + o_k[:, None]) * V + o_v[None, :])  # [BK, V]
+        in_k = o_k[:, None] < K
+        s_blk = tl.load(state + (sh * K + o_k[:, None]) * V + o_v[None, :], mask=in_k, other=0.0)  # [BK, V]
         p = tl.dot(q, tl.trans(s_blk), input_precision=PRECISION)  # [MP, BK]
-        tl.store(
-            maps + (sh * M + o_r[:, None]) * K + o_k[None, :], p.to(maps.dtype.element_ty), mask=out_rows
-        )
+        p_out = maps + (sh * M + o_r[:, None]) * K + o_k[None, :]
+        tl.store(p_out, p.to(maps.dtype.element_ty), mask=out_rows & (o_k[None, :] < K))
 
 
 def factor(
