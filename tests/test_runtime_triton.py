@@ -177,11 +177,12 @@ def check_replay(model, art, ids, window: int, new: int, tol: float) -> None:
         assert torch.equal(cached.transpose(-1, -2) if value_major else cached, st.ckpt.state)
 
 
-def check_sketch(model, art, ids, window: int, kl_max: float) -> None:
+def check_sketch(model, art, ids, window: int, kl_max: float, **opts) -> None:
     """Sketch mode on the two backends: KL(reference ‖ triton) per next token, and mixer outputs
-    within fp32 rounding of each other, far closer than the sketch is to the exact read."""
-    want, want_mix = forward(model, ids, art, "sketch", "reference", window)
-    got, got_mix = forward(model, ids, art, "sketch", "triton", window, **EXACT)
+    within fp32 rounding of each other, far closer than the sketch is to the exact read. ``opts``
+    go to both (``sketch_map``)."""
+    want, want_mix = forward(model, ids, art, "sketch", "reference", window, **opts)
+    got, got_mix = forward(model, ids, art, "sketch", "triton", window, **EXACT, **opts)
     _, replay_mix = forward(model, ids, art, "replay", "reference", window)
     assert float(kl_per_token(want[:, P:], got[:, P:]).mean()) <= kl_max
     for layer, o in want_mix.items():
@@ -200,6 +201,13 @@ def test_replay_matches_the_reference_backend_and_decodes_the_same_tokens(fam_mo
 def test_sketch_kl_to_the_reference_backend(fam_model):
     _, model, _, art = fam_model
     check_sketch(model, art, ids_for(model, 2, TOKENS, 2), L, kl_max=1e-4)
+
+
+def test_adaptive_sketch_kl_to_the_reference_backend(fam_model):
+    """The adaptive sketch on the kernels (factors made by each flush's kernel) against the
+    reference backend's (an SVD per flush, float64)."""
+    _, model, _, art = fam_model
+    check_sketch(model, art, ids_for(model, 2, TOKENS, 4), L, kl_max=1e-4, sketch_map="adaptive")
 
 
 def test_standard_mode_is_the_models_own_decode(fam_model):

@@ -46,6 +46,7 @@ from sketchcal.errors import SketchcalError
 
 # ---- the kernels: every name this backend takes from sketchcal/kernels/ (re-point here when they move) ----
 from sketchcal.kernels.common import StepInputs
+from sketchcal.kernels.common.adaptive import AdaptiveSketch
 from sketchcal.kernels.common.pool import sketch_tables
 from sketchcal.kernels.dispatch import (
     CHUNK_MIN,
@@ -241,6 +242,7 @@ class KernelWindowState:
         buffer_dtype: torch.dtype = torch.float32,
         layer: int | None = None,
         probe: Probe | None = None,
+        adaptive: bool = False,
     ):
         if window < 1:
             raise SketchcalError(f"window must be at least 1, got {window}")
@@ -248,11 +250,17 @@ class KernelWindowState:
         dev = checkpoint.device
         self.family, self.groups, self.window, self.precision = family, groups, window, precision
         self.tables, self.buffer_dtype, self.layer, self.probe = tables, buffer_dtype, layer, probe
+        self.adaptive = adaptive and tables is not None
         self.pool = self._allocate(checkpoint)
         self.pool.state.copy_(checkpoint)
         self.slots = torch.arange(b, dtype=torch.int32, device=dev)
         self._pos = [torch.full((b,), p, dtype=torch.int32, device=dev) for p in range(window)]
-        flush(family, self.pool, self.slots, self._pos[0], tables=tables)  # read copy and sketch of S_c
+        # the adaptive sketch's per-slot factors, one set per pool (a draft past the window folds
+        # into the second pool)
+        self._factors: dict[int, AdaptiveSketch] = {}
+        flush(
+            family, self.pool, self.slots, self._pos[0], tables=tables, adaptive=self._factors_of(self.pool)
+        )
         self.pos = 0  # tokens buffered since the checkpoint (committed)
         self.flushes = 0
         self._next: DecodePool | None = None  # the pool a draft past the window end folds into
@@ -262,6 +270,15 @@ class KernelWindowState:
     @property
     def mode(self) -> str:
         return "replay" if self.tables is None else "sketch"
+
+    def _factors_of(self, pool: DecodePool) -> AdaptiveSketch | None:
+        """``pool``'s adaptive factors (allocated on first use), or None for the static sketch."""
+        if not self.adaptive:
+            return None
+        key = id(pool.state)
+        if key not in self._factors:
+            self._factors[key] = AdaptiveSketch.allocate(self.tables, pool)
+        return self._factors[key]
 
     @property
     def input_dtype(self) -> torch.dtype:
@@ -293,15 +310,19 @@ class KernelWindowState:
     def _read(self, pool: DecodePool, pos: int, x: StepInputs) -> Tensor:
         """Non-flush outputs of ``x``'s tokens after ``pos`` buffered ones; they join the buffer."""
         p = self._pos[pos]
+        factors = self._factors_of(pool)
         if x.num_tokens > 1:
-            return spec_verify(self.family, pool, self.slots, p, x, tables=self.tables)
+            return spec_verify(self.family, pool, self.slots, p, x, tables=self.tables, adaptive=factors)
         if self.tables is None:
             return replay_step(self.family, pool, self.slots, p, x)
-        return sketch_step(self.family, pool, self.tables, self.slots, p, x)
+        return sketch_step(self.family, pool, self.tables, self.slots, p, x, adaptive=factors)
 
     def _flush(self, pool: DecodePool, x: StepInputs) -> Tensor:
         """The flush token: fold the L − 1 buffered tokens and ``x`` into ``pool``'s checkpoint."""
-        return flush(self.family, pool, self.slots, self._pos[self.window - 1], x, tables=self.tables)
+        factors = self._factors_of(pool)
+        return flush(
+            self.family, pool, self.slots, self._pos[self.window - 1], x, tables=self.tables, adaptive=factors
+        )
 
     def _committed_flush(self) -> None:
         self.flushes += 1
@@ -395,10 +416,12 @@ def make_kernel_state(
     ``window``, ``precision``, ``buffer_dtype``, which ``standard`` mode has no use for).
     """
     if mode == "standard":
-        for unused in ("window", "precision", "buffer_dtype"):
+        for unused in ("window", "precision", "buffer_dtype", "adaptive"):
             options.pop(unused, None)
         return KernelStandardState(family, state, groups=groups, **options)
     if mode == "sketch" and tables is None:
         raise SketchcalError("sketch mode needs the sketch tables of the layer (a converted model)")
     window_tables = tables if mode == "sketch" else None
+    if window_tables is None:
+        options.pop("adaptive", None)
     return KernelWindowState(family, state, groups=groups, tables=window_tables, **options)

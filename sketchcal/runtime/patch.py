@@ -269,6 +269,7 @@ class Runtime:
                 checkpoint.float(),
                 groups=self.shapes[layer].groups,
                 buffer_dtype=self.buffer_dtype,
+                adaptive=self.sketch_map == "adaptive",
                 **common,
             )
         return make_state(
@@ -518,8 +519,8 @@ def enable(
         sketch_map: ``sketch`` mode: ``static`` (the artifact's offline coefficient maps) or
             ``adaptive`` (a map of each new checkpoint, made at its flush from the artifact's bases:
             a rank-m head then reads m·(V + K) values); default: the artifact's ``sketch_map``, else
-            static. The triton backend has no adaptive kernels: ``auto`` picks the reference backend
-            for it and ``triton`` is refused.
+            static. The triton backend makes the factors in a kernel after each flush
+            (``kernels.common.adaptive``); the public backend has no adaptive sketch.
 
     Raises:
         SketchcalError: unsupported model, unknown mode, backend or dtype, a sketch that does not
@@ -554,13 +555,8 @@ def enable(
     if backend == "reference" and buffer_dtype is not None:
         raise SketchcalError("buffer_dtype applies to the triton backend only")
     sketch_map = _sketch_map(sketch_map, art, mode)
-    if sketch_map == "adaptive":
-        if backend == "triton":
-            raise SketchcalError(
-                "backend='triton' has no adaptive-sketch kernels yet; use backend='reference' or "
-                "sketch_map='static'"
-            )
-        backend = "reference"
+    if sketch_map == "adaptive" and backend == "public":
+        raise SketchcalError("backend='public' has no adaptive sketch; use backend='triton' or 'reference'")
     devices = {m.layer_idx: next(m.parameters()).device for m in spec.mixers(model)}  # device_map safe
     backend = _resolve_backend(backend, mode, spec, precision, probe, list(devices.values()))
     buffers = torch.float32
@@ -577,7 +573,9 @@ def enable(
                 layer = art.layer(shape.layer)
             except KeyError:
                 raise SketchcalError(f"the sketch has no layer {shape.layer}; reconvert it") from None
-            tables[shape.layer] = _layer_tables(backend, layer, spec.family, shape, devices[shape.layer])
+            # the adaptive sketch reads no offline map: any rank the artifact gives runs
+            kind = "reference" if sketch_map == "adaptive" else backend
+            tables[shape.layer] = _layer_tables(kind, layer, spec.family, shape, devices[shape.layer])
     previous = _ENABLED.get(model)
     if previous is not None:
         previous.disable()
