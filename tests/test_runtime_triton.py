@@ -376,10 +376,15 @@ def cat_tokens(a: StepInputs, b: StepInputs) -> StepInputs:
     )
 
 
-@pytest.mark.parametrize(("fam", "mode"), [("gdn", "sketch"), ("kda", "replay"), ("mamba2", "standard")])
-def test_drafts_and_accepts_match_the_reference_state(fam, mode):
+@pytest.mark.parametrize(
+    ("fam", "mode", "sketch_map"),
+    [("gdn", "sketch", "static"), ("kda", "replay", "static"), ("mamba2", "standard", "static"),
+     ("mamba2", "sketch", "adaptive")],
+)  # fmt: skip
+def test_drafts_and_accepts_match_the_reference_state(fam, mode, sketch_map):
     """Random drafts of 1..L tokens, some garbage after the accepted ones, crossing window ends:
-    the kernel state serves what the reference state serves and ends in the same checkpoint."""
+    the kernel state serves what the reference state serves and ends in the same checkpoint (the
+    adaptive sketch: drafts past the window end read the factors of the pool they fold into)."""
     h, g, k = 4, 2, 16
     n, seed = 3 * L, {"gdn": 1, "mamba2": 2, "kda": 3}[fam]
     x = grouped_inputs(fam, n, seed)
@@ -389,9 +394,12 @@ def test_drafts_and_accepts_match_the_reference_state(fam, mode):
         layer_tables(layer, family=fam, heads=h, key_dim=k, device=DEVICE) if mode == "sketch" else None
     )
     tables = kernel_tables(layer, fam, heads=h, key_dim=k, device=DEVICE) if mode == "sketch" else None
-    ref = make_state(mode, fam, s0, window=L, tables=ref_tables)
+    ref = make_state(mode, fam, s0, window=L, tables=ref_tables, sketch_map=sketch_map)
     want = ref.step(x)
-    spec = make_kernel_state(mode, fam, s0, groups=g, window=L, tables=tables)
+    adaptive = sketch_map == "adaptive"
+    spec = make_kernel_state(
+        mode, fam, s0, groups=g, window=L, tables=ref_tables if adaptive else tables, adaptive=adaptive
+    )
     gen = torch.Generator().manual_seed(seed)
     cursor, rounds, crossed = 0, 0, 0
     while cursor < n:
