@@ -57,6 +57,8 @@ class AdaptiveSketch:
         if pool.sketch.dtype.itemsize == 1:
             raise ValueError("the adaptive sketch keeps its factors in bf16 or fp32; use a bf16 read copy")
         n, h, kd, vd = pool.state.shape
+        if vd & (vd - 1):
+            raise ValueError(f"the adaptive sketch's kernels take a power-of-two value dim, got V={vd}")
         m = tables.map_rows
         z = dict(dtype=pool.sketch.dtype, device=pool.sketch.device)
         return cls(tables, torch.zeros(n, h, m, vd, **z), torch.zeros(n, h, m, kd, **z))
