@@ -154,6 +154,7 @@ def build(kernel: str, family: str, cfg: KernelConfig, sketch: bool = True, toke
             LOG2_DECAY=family == "kda",
             PAGED=False,
             RD_VM=False,
+            SLOT_MAPS=False,
             **read.read_options(cfg, s.key_dim),
             **common,
         )
