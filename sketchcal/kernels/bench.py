@@ -843,7 +843,7 @@ def _time_adaptive(
     tables = replace(tables, ranks=torch.tensor(a_ranks, dtype=torch.int32)).to(slots.device)
     a_pools = [make_pool() for _ in outs]
     sketches = [AdaptiveSketch.allocate(tables, p) for p in a_pools]
-    c_read, c_flush = replace(cfg["sketch"], form="read"), cfg["flush_sketch"]
+    c_read, c_flush = cfg["sketch"], cfg["flush_sketch"]  # (dispatch reads adaptively in one kernel)
 
     def steps() -> None:
         for t in range(window - 1):

@@ -26,7 +26,8 @@ one (the CPU interpreter, fp32 buffered inputs, a Triton without Gluon, a pool t
 layouts do not cover): Mamba-2's chunked flush with the same shape, KDA's sweep
 (:data:`SWEEP_FALLBACK`). A paged pool (each slot's part of a tensor contiguous, any slot stride,
 the checkpoint possibly value-major: vLLM's pages, ``pool.check_paged``) is served by the forms that
-take slot strides (:data:`PAGED_FORMS`): the reads and the sweep.
+take slot strides (:data:`PAGED_FORMS`): the reads and the sweep. The adaptive sketch's reads (each
+slot's own factors, ``common/adaptive.py``) run the one-kernel read.
 
 Every family keeps its checkpoint in the model's own frame, so the state is the model's exact fp32
 recurrence and no per-step rotation of k or q is needed. The sketch of a head of rank m is the
@@ -272,9 +273,12 @@ def gluon_flush_runs(cfg: KernelConfig, family: str, pool: DecodePool) -> bool:
 
 
 def runnable(
-    cfg: KernelConfig, family: str, pool: DecodePool, tables: SketchTables | None, tokens: int
-) -> KernelConfig:
+    cfg: KernelConfig, family: str, pool: DecodePool, tables: SketchTables | None, tokens: int, *,
+    adaptive: bool = False,
+) -> KernelConfig:  # fmt: skip
     """``cfg``, or its fallback where its kernel cannot run on this call (see the module docstring)."""
+    if adaptive:  # per-slot maps: only the one-kernel read takes them
+        return replace(cfg, form="read")
     if not is_dense(pool) and cfg.form not in PAGED_FORMS:
         return replace(cfg, form="read") if FORMS[cfg.form].op == "read" else SWEEP_FALLBACK
     if cfg.form == "split_read":
@@ -406,30 +410,19 @@ def spec_verify(
     cfg = config or default_config(kernel, family, pool.read.dtype)
     _launcher(cfg, kernel, family)  # the config's own form must serve this kernel
     out = _out(out, x, h, t)
-    if adaptive is not None:  # per-slot maps: the one-kernel read, READ_TOKENS_PER_LAUNCH at a time
-        from sketchcal.kernels.common import read
-
-        cfg = replace(cfg, form="read")
-        for start in range(0, t, READ_TOKENS_PER_LAUNCH):
-            stop = min(start + READ_TOKENS_PER_LAUNCH, t)
-            part = x.tokens(slice(start, stop)).map(Tensor.contiguous) if t > 1 else x
-            part_out = out[:, start:stop].contiguous() if t > 1 else out
-            read.launch(family, pool, tables, slots, pos + start, part, part_out, cfg, adaptive)
-            if t > 1:
-                out[:, start:stop].copy_(part_out)
-        return out
+    extra = {} if adaptive is None else {"adaptive": adaptive}  # (runnable picks the form taking it)
     if t <= READ_TOKENS_PER_LAUNCH:
-        cfg = runnable(cfg, family, pool, tables, t)
-        _launcher(cfg, kernel, family)(family, pool, tables, slots, pos, x, out, cfg)
+        cfg = runnable(cfg, family, pool, tables, t, adaptive=adaptive is not None)
+        _launcher(cfg, kernel, family)(family, pool, tables, slots, pos, x, out, cfg, **extra)
         return out
     # a later chunk finds the earlier chunks' tokens in the buffer: the same sums as one launch
     for start in range(0, t, READ_TOKENS_PER_LAUNCH):
         stop = min(start + READ_TOKENS_PER_LAUNCH, t)
         part = x.tokens(slice(start, stop)).map(Tensor.contiguous)
         part_out = out[:, start:stop].contiguous()  # padding entries keep what out holds
-        part_cfg = runnable(cfg, family, pool, tables, stop - start)
+        part_cfg = runnable(cfg, family, pool, tables, stop - start, adaptive=adaptive is not None)
         launch = _launcher(part_cfg, kernel, family)
-        launch(family, pool, tables, slots, pos + start, part, part_out, part_cfg)
+        launch(family, pool, tables, slots, pos + start, part, part_out, part_cfg, **extra)
         out[:, start:stop].copy_(part_out)
     return out
 

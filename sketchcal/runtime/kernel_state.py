@@ -422,6 +422,4 @@ def make_kernel_state(
     if mode == "sketch" and tables is None:
         raise SketchcalError("sketch mode needs the sketch tables of the layer (a converted model)")
     window_tables = tables if mode == "sketch" else None
-    if window_tables is None:
-        options.pop("adaptive", None)
     return KernelWindowState(family, state, groups=groups, tables=window_tables, **options)
