@@ -536,6 +536,16 @@ def test_demo_model_sketch_on_the_kernels_gpu(demo):
 
 
 @pytest.mark.gpu
+def test_demo_model_adaptive_sketch_on_the_kernels_gpu(demo):
+    """The adaptive sketch at batch 64: the flush's factor kernel (TF32 on the tensor cores) against
+    the reference backend's float64 SVD per flush."""
+    model, art = demo
+    window = int(art.config["window"])
+    ids = ids_for(model, GPU_BATCH, P + 6 * window, 16)
+    check_sketch(model, art, ids, window, kl_max=1e-4, sketch_map="adaptive")
+
+
+@pytest.mark.gpu
 def test_demo_model_bf16_buffers_gpu(demo):
     """The serving defaults on CUDA, bf16 buffered inputs and a bf16 read copy: the buffers' rounding
     costs far less than the sketch (both against the reference backend's bf16 read copy)."""
