@@ -71,15 +71,13 @@ class AdaptiveSketch:
 @triton.jit
 def _factor_kernel(
     slots, state, sketch, rows, maps, ranks, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    M: tl.constexpr, MP: tl.constexpr, SM: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr,
-    TOL: tl.constexpr, PRECISION: tl.constexpr,
+    M: tl.constexpr, MP: tl.constexpr, SM: tl.constexpr, BK: tl.constexpr, TOL: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Program (head, batch entry, key split): Qᵀ [M, V] and columns ``[i_k·K/KS, (i_k+1)·K/KS)`` of
-    P_S [M, K] of the entry's slot and head (nothing for padding); the first split stores Qᵀ.
-    ``sketch`` [N, H, SM, V] the flush's rows T, ``state`` [N, H, K, V] fp32."""
+    """Program (head, batch entry): Qᵀ [M, V] and P_S [M, K] of the entry's slot and head (nothing
+    for padding). ``sketch`` [N, H, SM, V] the flush's rows T, ``state`` [N, H, K, V] fp32."""
     i_h = tl.program_id(0)
     i_b = tl.program_id(1)
-    i_k = tl.program_id(2)
     s = tl.load(slots + i_b).to(tl.int64)
     live = s >= 0
     sh = tl.where(live, s, 0) * H + i_h
@@ -99,10 +97,9 @@ def _factor_kernel(
         row = tl.where(keep, row / tl.where(keep, norm, 1.0), 0.0)
         q = tl.where(o_r[:, None] == i, row[None, :], q)
     out_rows = o_r[:, None] < tl.where(live, M, 0)
-    q_rows = o_r[:, None] < tl.where(live & (i_k == 0), M, 0)
-    tl.store(rows + (sh * M + o_r[:, None]) * V + o_v[None, :], q.to(rows.dtype.element_ty), mask=q_rows)
-    for k0 in tl.static_range(0, K // KS, BK):
-        o_k = i_k * (K // KS) + k0 + tl.arange(0, BK)
+    tl.store(rows + (sh * M + o_r[:, None]) * V + o_v[None, :], q.to(rows.dtype.element_ty), mask=out_rows)
+    for k0 in tl.static_range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
         in_k = o_k[:, None] < K
         s_blk = tl.load(state + (sh * K + o_k[:, None]) * V + o_v[None, :], mask=in_k, other=0.0)  # [BK, V]
         p = tl.dot(q, tl.trans(s_blk), input_precision=PRECISION)  # [MP, BK]
@@ -111,27 +108,23 @@ def _factor_kernel(
 
 
 def factor(
-    pool: DecodePool, sketch: AdaptiveSketch, slots: Tensor, *, block_k: int = 32, key_splits: int = 1,
-    num_warps: int = 1,
-) -> None:  # fmt: skip
+    pool: DecodePool, sketch: AdaptiveSketch, slots: Tensor, *, block_k: int = 32, num_warps: int = 1
+) -> None:
     """The adaptive factors of the checkpoints ``pool.state[slots]`` from the sketch rows their
     flush just wrote (``pool.sketch[slots]``), into ``sketch.rows`` / ``sketch.maps``; entries
     with a negative slot write nothing.
 
-    One warp per program keeps Gram–Schmidt's reductions within a warp (2–4 warps were 2–10×
-    slower on an H200). ``P_S`` comes from the tensor cores in TF32 when it is stored in bf16
-    (TF32's rounding, 2⁻¹¹, is below bf16's), else in three TF32 products (about fp32's).
-    ``key_splits`` programs share a head's P_S columns (each redoes the Gram–Schmidt)."""
+    One warp per program keeps Gram–Schmidt's reductions within a warp (2–4 warps were 2–8×
+    slower on an H200, and splitting a head's P_S columns over 2–4 programs, each redoing the
+    Gram–Schmidt, 1.2–1.8×). ``P_S`` comes from the tensor cores in TF32 when it is stored in bf16
+    (TF32's rounding, 2⁻¹¹, is below bf16's), else in three TF32 products (about fp32's)."""
     precision = "tf32" if sketch.maps.dtype.itemsize < 4 else "tf32x3"
     if interpreting():  # (the interpreter multiplies in fp32 and takes no TF32)
         precision = "ieee"
     _, h, kd, vd = pool.state.shape
     m = sketch.tables.map_rows
-    if kd % key_splits:
-        raise ValueError(f"key_splits={key_splits} does not divide the key dim {kd}")
-    _factor_kernel[(h, slots.numel(), key_splits)](
+    _factor_kernel[(h, slots.numel())](
         slots, pool.state, pool.sketch, sketch.rows, sketch.maps, sketch.tables.ranks, H=h, K=kd, V=vd,
-        M=m, MP=max(16, next_pow2(m)), SM=pool.sketch.shape[2], BK=min(block_k, kd // key_splits),
-        KS=key_splits, TOL=TOL,
+        M=m, MP=max(16, next_pow2(m)), SM=pool.sketch.shape[2], BK=min(block_k, kd), TOL=TOL,
         PRECISION=precision, num_warps=num_warps,
     )  # fmt: skip
