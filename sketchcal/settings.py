@@ -251,6 +251,11 @@ class ConvertSettings(CommandSettings):
     )
     reference_only: bool = option(False, "Write config + sketch only, no weights")
     allocation: str = option("output", "output (least predicted KL, default), or the ablation uniform")
+    sketch_map: str = option(
+        "static",
+        "static (offline maps, default) or adaptive (a map made for each checkpoint at its flush; "
+        "--rank M then means static rank M's bytes)",
+    )
     basis: str = option("state", "state (default), or the ablations pca / random")
     coef: str = option("state", "state (least-squares maps), or the ablation projection (E = I)")
     shrinkage: str = option("auto", "auto, ledoit_wolf, oas or none")
@@ -265,6 +270,7 @@ class ConvertSettings(CommandSettings):
         from sketchcal.fit.allocate import ALLOCATIONS, validate_budget
         from sketchcal.fit.basis import BASIS_KINDS
         from sketchcal.fit.layer import COEF_KINDS
+        from sketchcal.fit.ranks import SKETCH_MAPS
         from sketchcal.fit.shrinkage import SHRINKAGE_METHODS
         from sketchcal.fit.traffic import dtype_bytes
 
@@ -274,6 +280,7 @@ class ConvertSettings(CommandSettings):
             raise SketchcalError(f"{self.out} already exists; choose another --out or remove it first")
         validate_budget(self.rank, self.bytes_per_token, math.inf)  # the key dim is checked on the stats
         _choice("allocation", self.allocation, ALLOCATIONS)
+        _choice("sketch_map", self.sketch_map, SKETCH_MAPS)
         _choice("basis", self.basis, BASIS_KINDS)
         _choice("coef", self.coef, COEF_KINDS)
         _choice("shrinkage", self.shrinkage, ("auto", *SHRINKAGE_METHODS))

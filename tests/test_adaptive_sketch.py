@@ -12,6 +12,7 @@ from test_runtime_model import FAMILY_MODELS, forward, rel, synthetic_artifact, 
 from test_runtime_state import EXACT, FAMILIES, H, K, L, make_inputs, random_state, sketch_layer
 
 from sketchcal.errors import SketchcalError
+from sketchcal.fit.curves import measured_adaptive_curve
 from sketchcal.fit.traffic import TrafficModel, adaptive_ranks
 from sketchcal.kernels.common import family
 from sketchcal.kernels.common.reference import adaptive_factor, adaptive_read
@@ -195,3 +196,28 @@ def test_verify_sketch_map_option_is_checked(monkeypatch, capsys):
         VerifySettings(model_dir="x", sketch_map="dynamic")
     line = fails(monkeypatch, capsys, "verify", "x", "--sketch-map", "dynamic")
     assert "--sketch-map must be static or adaptive" in line
+
+
+def test_measured_adaptive_curve_is_the_least_squares_projection_error():
+    """The allocation's adaptive curve against least squares per window (``projected_read``): the
+    γ-weighted relative error of Sᵀu projected onto span(Sᵀ R_{:r}ᵀ), masked reads left out."""
+    g = torch.Generator().manual_seed(3)
+    k, v, n, t = 12, 6, 5, 4
+    frame, _ = torch.linalg.qr(torch.randn(k, k, dtype=F64, generator=g))
+    frame = frame.T
+    s = torch.randn(n, k, v, dtype=F64, generator=g) * torch.linspace(2, 0.1, k, dtype=F64)[:, None]
+    u = torch.randn(n, t, k, dtype=F64, generator=g)
+    mask = torch.rand(n, t, generator=g) > 0.3
+    gamma = torch.rand(n, t, dtype=F64, generator=g)
+    ranks = [0, 1, 2, 4, 6, 8]
+    got = measured_adaptive_curve(frame, s, u, mask, ranks, gamma)
+    w = gamma * mask
+    exact = torch.einsum("rkv,rtk->rtv", s, u)
+    den = float((w * (exact**2).sum(-1)).sum())
+    for i, r in enumerate(ranks[1:], start=1):  # (rank 0 is dense: exact, 0)
+        approx = torch.stack([projected_read(s[j], frame[:r], u[j]) for j in range(n)])
+        want = float((w * ((approx - exact) ** 2).sum(-1)).sum()) / den
+        assert got[i] == pytest.approx(want, rel=1e-9, abs=1e-15), r
+    assert got[0] == 0 and got[1] > got[2] > got[3] > 0.01  # nested spans: error falls with r
+    assert got[4] < 1e-20 and got[5] < 1e-20  # r ≥ V: span(Sᵀ R_{:r}ᵀ) is all of R^V, exact
+    assert torch.isnan(measured_adaptive_curve(frame, s, u, torch.zeros_like(mask), ranks)).all()

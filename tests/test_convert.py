@@ -56,7 +56,7 @@ def test_convert_end_to_end(base, tmp_path):
     base_cfg = json.loads((base["model"] / "config.json").read_text())
     assert {k: v for k, v in cfg.items() if k != "sketch_config"} == base_cfg
     sc = cfg["sketch_config"]
-    assert sc["format"] == "sketchcal-sketch" and sc["version"] == 2 and sc["producer"]["name"] == "sketchcal"
+    assert sc["format"] == "sketchcal-sketch" and sc["version"] == 3 and sc["producer"]["name"] == "sketchcal"
     assert "sketch_config" not in cfg.get("quantization_config", {})
     assert sc["fingerprint"] == load_stats(base["stats"]).fingerprint
     assert sc["summary"]["mean_rank"] <= 5 + 1e-9
@@ -143,6 +143,32 @@ def test_bytes_budget_and_basis_ablations(base, tmp_path):
     for kind in ("pca", "random"):
         r = convert(base["stats"], rank=8, out=tmp_path / kind, basis=kind, reference_only=True)
         assert r.sketch_config["basis"] == kind
+
+
+def test_adaptive_sketch_artifact(base, tmp_path):
+    """``--sketch-map adaptive``: ranks chosen for the adaptive read at static rank 8's bytes, recorded
+    in config.json (format version 3) and the curves; the runtime then reads adaptively by default,
+    and an artifact without ``sketch_map`` (version 2) reads static."""
+    from sketchcal.fit.traffic import TrafficModel
+    from sketchcal.runtime.patch import _sketch_map
+
+    static = convert(base["stats"], rank=8, out=tmp_path / "static", reference_only=True)
+    res = convert(base["stats"], rank=8, out=tmp_path / "ad", reference_only=True, sketch_map="adaptive")
+    sc = json.loads((tmp_path / "ad" / "config.json").read_text())["sketch_config"]
+    assert sc["version"] == 3 and sc["sketch_map"] == "adaptive" and sc["budget"] == {"rank": 8.0}
+    layer = sc["layers"][0]
+    k, v, heads = layer["key_dim"], layer["value_dim"], layer["heads"]
+    uniform_static = TrafficModel("gdn", k, v, 8).step_bytes(8) * heads * len(sc["layers"])
+    assert res.allocation.bytes_per_token <= uniform_static * (1 + 1e-9)
+    assert res.allocation.sketch_map == "adaptive" and static.allocation.sketch_map == "static"
+    assert res.allocation.mean_rank < static.allocation.mean_rank  # each rank reads K + V values, not V
+    curves = load_file(tmp_path / "ad" / "calibration" / "curves.safetensors")
+    assert curves["layers.0.adaptive_candidate_ranks"].tolist()[:3] == [0, 1, 2]
+    art = read_sketch(tmp_path / "ad")
+    assert art.config["sketch_map"] == "adaptive" and _sketch_map(None, art, "sketch") == "adaptive"
+    old = read_sketch(tmp_path / "static")
+    old.config.pop("sketch_map")
+    assert _sketch_map(None, old, "sketch") == "static"
 
 
 def test_reference_only(base, tmp_path):

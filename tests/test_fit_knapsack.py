@@ -12,7 +12,7 @@ from sketchcal.errors import SketchcalError
 from sketchcal.fit.allocate import allocate
 from sketchcal.fit.knapsack import InfeasibleBudget, lp_lower_bound, solve_mckp
 from sketchcal.fit.layer import LayerFit
-from sketchcal.fit.ranks import candidate_ranks
+from sketchcal.fit.ranks import adaptive_candidate_ranks, candidate_ranks
 from sketchcal.fit.traffic import TrafficModel
 
 
@@ -180,3 +180,38 @@ def test_bad_budgets(kw, match):
     fits = [_fit(0, 2, 16, random.Random(0))]
     with pytest.raises(SketchcalError, match=match):
         allocate(fits, [TrafficModel("gdn", 16, 16, 8, 2)], **kw)
+
+
+def test_adaptive_allocation_matches_exhaustive_at_the_bytes_of_a_static_rank():
+    """``sketch_map="adaptive"``: the adaptive candidates and curves, a rank-r head costing r·(K + V)
+    values a read; a mean-rank budget M is the bytes of static rank M on every head."""
+    rng = random.Random(9)
+    k, v = 16, 8
+    fits = [_fit(0, 2, k, rng), _fit(2, 2, k, rng)]
+    for f in fits:
+        f.value_dim = v
+        f.adaptive_ranks = adaptive_candidate_ranks(k, v)
+        f.adaptive_measured = _curves(f.heads, len(f.adaptive_ranks), rng)
+    assert fits[0].adaptive_ranks == [0, 1, 2, 3, 4, 5]  # 6·(16 + 8) ≥ 16·8: dense is cheaper
+    static = TrafficModel("gdn", k, v, 8, 2)
+    adaptive = TrafficModel("gdn", k, v, 8, 2, adaptive=True)
+    for m in (4, 5, 6):
+        alloc = allocate(fits, [static] * 2, rank=m, sketch_map="adaptive")
+        budget = 4 * static.window_bytes(m)  # per window, four heads
+        assert alloc.sketch_map == "adaptive" and alloc.budget == {"rank": float(m)}
+        assert alloc.bytes_per_token * 8 <= budget + 1e-6
+        costs = [[adaptive.window_bytes(r) for r in f.adaptive_ranks] for f in fits for _ in range(f.heads)]
+        values = [(f.kl_scale[h] * f.adaptive_measured[h]).tolist() for f in fits for h in range(f.heads)]
+        ref = exhaustive(costs, values, budget)
+        assert alloc.measured_kl == pytest.approx(ref[0]) and alloc.predicted_kl == alloc.measured_kl
+        ranks = [r for lay in alloc.layers for r in lay.ranks]
+        assert ranks == [
+            f.adaptive_ranks[j] for f, j in zip([*fits[:1]] * 2 + [fits[1]] * 2, ref[1], strict=True)
+        ]
+    # static rank 2 reads 2·V = 16 values a step, below one adaptive rank's K + V = 24
+    with pytest.raises(SketchcalError, match="--rank 2 with the adaptive sketch cannot be met"):
+        allocate(fits, [static] * 2, rank=2, sketch_map="adaptive")
+    with pytest.raises(SketchcalError, match="held-out windows"):
+        allocate([_fit(0, 2, k, rng)], [static], rank=4, sketch_map="adaptive")
+    with pytest.raises(SketchcalError, match="sketch-map"):
+        allocate(fits, [static] * 2, rank=4, sketch_map="dynamic")

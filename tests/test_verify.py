@@ -76,7 +76,7 @@ def test_verify_end_to_end(artifact, loaded, tmp_path):
     pca8 = res.config("sketch · rank 8 · pca basis")
     assert pca8.basis == "pca" and pca8.budget == 8 and pca8.group == "rank sweep"
     std, rep, sk = (res.config(n) for n in ("standard", "replay", "sketch"))
-    # each static sketch row again as an adaptive sketch at no more read bytes: rank ⌊m·V/(V + K)⌋
+    # each static sketch row again as an adaptive sketch at no more read bytes (allocated for it)
     for name, static in (("sketch", sk), ("sketch · rank 8", res.config("sketch · rank 8"))):
         ad = res.config(f"{name} · adaptive map")
         assert ad.sketch_map == "adaptive" and static.sketch_map == "static" and ad.group == "sketch map"

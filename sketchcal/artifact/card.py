@@ -67,6 +67,14 @@ def model_card(
         "",
         f"- budget: {budget}; basis: {basis}; E shrinkage: {shrinkage}; supported ranks: "
         f"{', '.join(map(str, SUPPORTED_RANKS))} (0 = dense)",
+        *(
+            [
+                "- sketch map: adaptive (a map made for each checkpoint at its flush; a rank-r head "
+                "reads r·(K + V) values; its ranks and KL are measured on the held-out windows)"
+            ]
+            if a.sketch_map == "adaptive"
+            else []
+        ),
         f"- mean rank (dense heads count as K): {a.mean_rank:.2f}",
         f"- predicted KL (calibration moments): {format_kl(a.predicted_kl)} nats/token",
         f"- predicted on held-out moments: {format_kl(a.heldout_kl)}; "

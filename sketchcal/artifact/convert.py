@@ -134,6 +134,7 @@ class SketchChoices:
     coef: str = "state"  # state (least-squares maps) | projection
     shrinkage: str = "auto"  # an E estimator, or auto: the one with the lowest held-out predicted KL
     allocation: str = "output"  # output (least predicted KL) | uniform
+    sketch_map: str = "static"  # static | adaptive (the ranks are the adaptive read's)
     read_dtype: str = "float32"
     buffer_dtype: str = "bfloat16"
     seed: int = 0  # of the random-basis ablation
@@ -156,6 +157,7 @@ class SketchChoices:
             if isinstance(shrink, dict)
             else default.shrinkage,
             allocation=section.get("allocation", default.allocation),
+            sketch_map=section.get("sketch_map", default.sketch_map),
             read_dtype=traffic.get("read_dtype", default.read_dtype),
             buffer_dtype=traffic.get("buffer_dtype", default.buffer_dtype),
         )
@@ -348,10 +350,16 @@ def fit_sketch(
                 coef=c.coef,
                 shrinkage=meth,
                 seed=c.seed,
+                adaptive=c.sketch_map == "adaptive",
                 on_layer=lambda _: bar.advance(task),
             )
             alloc = allocate(
-                fits, traffic, rank=rank, bytes_per_token=bytes_per_token, allocation=c.allocation
+                fits,
+                traffic,
+                rank=rank,
+                bytes_per_token=bytes_per_token,
+                allocation=c.allocation,
+                sketch_map=c.sketch_map,
             )
             score = alloc.heldout_score
             scores[meth] = score
@@ -400,6 +408,7 @@ def sketch_section(
         "basis": choices.basis,
         "coef": choices.coef,
         "allocation": alloc.allocation,
+        "sketch_map": alloc.sketch_map,
         "shrinkage": {
             "method": fit.shrinkage,
             "selected_by": "held-out predicted KL of the allocation"
@@ -522,6 +531,9 @@ def _write_curves(path: Path, fits: list[LayerFit]) -> None:
             t[p + "heldout_predicted"] = f.heldout_predicted.to(torch.float32)
         if f.measured is not None:
             t[p + "measured"] = f.measured.to(torch.float32)
+        if f.adaptive_measured is not None:
+            t[p + "adaptive_candidate_ranks"] = torch.tensor(f.adaptive_ranks, dtype=torch.int32)
+            t[p + "adaptive_measured"] = f.adaptive_measured.to(torch.float32)
         t[p + "kl_scale"] = f.kl_scale.to(torch.float32)
         t[p + "shrinkage"] = f.shrinkage.to(torch.float32)
         t[p + "eigvals"] = f.eigvals.to(torch.float32)

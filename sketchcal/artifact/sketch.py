@@ -1,4 +1,4 @@
-"""The sketch tensors of a converted model: ``sketch/sketch.safetensors`` (format version 2).
+"""The sketch tensors of a converted model: ``sketch/sketch.safetensors`` (format version 3).
 
 Per mixer layer i (decoder-layer index), with H heads, G groups, key dim K:
 
@@ -9,15 +9,19 @@ Per mixer layer i (decoder-layer index), with H heads, G groups, key dim K:
 | ``layers.{i}.ranks`` | [H] i32 | m_h; 0 = dense (read the full state, exact) |
 
 ``M = max(1, max_h m_h)``; rows ≥ m_h are zero (a dense head's map is all zero). Head h uses frame
-``h // (H // G)``. A read is ``Sᵀu ≈ (R S)_{:m}ᵀ (coef[h, :m] @ (R u))``.
+``h // (H // G)``. A read is ``Sᵀu ≈ (R S)_{:m}ᵀ (coef[h, :m] @ (R u))``, or with ``sketch_map`` =
+``adaptive`` in config.json the adaptive read of rank m_h on the frame's first m_h rows (the maps
+are then not read).
 
-Safetensors metadata (all strings): ``format`` = ``sketchcal-sketch``, ``version`` = ``2``,
+Safetensors metadata (all strings): ``format`` = ``sketchcal-sketch``, ``version`` = ``3``,
 ``family``, ``window``, ``fingerprint``, ``producer`` (``sketchcal <version>``), ``layers`` (comma-
 separated layer indices).
 
 Version 2 added integrity records to the ``sketch_config`` section of config.json: ``files`` (the
 sha256 of every ``*.safetensors`` file of the directory: the sketch, the curves, the weights) and
 ``base_model.weights_fingerprint``. Version 1 directories (no records) still load, unchecked.
+Version 3 added ``sketch_config.sketch_map`` (``static`` | ``adaptive``: what the ranks are for);
+versions 1 and 2 are static.
 """
 
 from __future__ import annotations
@@ -36,8 +40,8 @@ from sketchcal.errors import SketchcalError, first_line
 from sketchcal.integrity import check_files, save_safetensors, short
 
 SKETCH_FORMAT = "sketchcal-sketch"
-SKETCH_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # version 1: no file hashes
+SKETCH_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)  # 1: no file hashes; 2: static maps only; 3: ``sketch_map``
 SKETCH_DIR = "sketch"
 SKETCH_FILE = "sketch/sketch.safetensors"
 CONFIG_KEY = "sketch_config"

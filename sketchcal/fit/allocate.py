@@ -18,19 +18,26 @@ rank (the ablation). Options per head: the candidate ranks of :mod:`sketchcal.fi
 
 Every allocation reports its predicted KL three ways: on the calibration moments (``predicted_kl``,
 what the maps were fitted to), on the held-out moments and on the held-out windows.
+
+``sketch_map="adaptive"`` allocates the adaptive sketch (a map made for each checkpoint at its
+flush): a head of rank r reads ``r·(K + V)`` values, its options are
+:func:`~sketchcal.fit.ranks.adaptive_candidate_ranks` and its curves the ones measured on the
+held-out windows (:meth:`LayerFit.adaptive_view`; every KL figure is then that one). A mean-rank
+budget M means the bytes that a static sketch of rank M on every head reads, so that ``--rank 8``
+compares the two maps at equal bytes.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
 from sketchcal.errors import SketchcalError
 from sketchcal.fit.knapsack import InfeasibleBudget, solve_mckp
 from sketchcal.fit.layer import LayerFit
-from sketchcal.fit.ranks import SUPPORTED_RANKS, effective_rank
+from sketchcal.fit.ranks import SKETCH_MAPS, SUPPORTED_RANKS, effective_rank
 from sketchcal.fit.traffic import TrafficModel
 
 ALLOCATIONS: tuple[str, ...] = ("output", "uniform")
@@ -68,6 +75,7 @@ class Allocation:
     optimal: bool  # True: exact knapsack optimum; else within ``gap_bound`` of it
     gap_bound: float  # bound on (objective − optimum), in nats/token
     notes: list[str] = field(default_factory=list)
+    sketch_map: str = "static"  # the map the ranks were chosen for: "static" | "adaptive"
 
     @property
     def reduction_vs_standard(self) -> float:
@@ -126,6 +134,7 @@ def allocate(
     rank: float | None = None,
     bytes_per_token: float | None = None,
     allocation: str = "output",
+    sketch_map: str = "static",
     max_cells: int = 50_000_000,
 ) -> Allocation:
     """Choose every head's rank. Exactly one of ``rank`` / ``bytes_per_token`` must be given.
@@ -137,6 +146,8 @@ def allocate(
         bytes_per_token: byte budget per sequence and decoded token, all mixer layers together.
         allocation: ``"output"`` (minimum predicted KL) or ``"uniform"`` (every head the same rank:
             M itself, or the largest rank whose bytes fit ``bytes_per_token``).
+        sketch_map: ``"static"`` or ``"adaptive"`` (the fits need ``adaptive`` curves; a rank
+            budget M then means the bytes of a static sketch of rank M on every head).
 
     Raises:
         SketchcalError: a missing/double/invalid budget, or one that cannot be met.
@@ -146,6 +157,17 @@ def allocate(
     if allocation not in ALLOCATIONS:
         raise SketchcalError(f"--allocation must be one of {', '.join(ALLOCATIONS)}, got {allocation!r}")
     validate_budget(rank, bytes_per_token, max(f.key_dim for f in fits))
+    given = {"rank": float(rank)} if rank is not None else {"bytes_per_token": float(bytes_per_token)}
+    notes = []
+    if sketch_map not in SKETCH_MAPS:
+        raise SketchcalError(f"--sketch-map must be one of {', '.join(SKETCH_MAPS)}, got {sketch_map!r}")
+    if sketch_map == "adaptive":
+        fits, traffic, bytes_per_token = _adaptive(fits, traffic, rank, bytes_per_token)
+        notes.append(
+            "adaptive sketch: ranks chosen, and every KL figure measured, on the held-out windows"
+            + (f"; budget: the bytes of static rank {rank:g} on every head" if rank is not None else "")
+        )
+        rank = None  # the byte budget chooses
     window = traffic[0].window
     if any(t.window != window for t in traffic):
         raise ValueError("all layers must share the window length")
@@ -172,7 +194,7 @@ def allocate(
         try:
             res = solve_mckp(costs, values, budget, max_cells=max_cells)
         except InfeasibleBudget as err:
-            raise _infeasible(rank, bytes_per_token, err.min_cost, n, window) from None
+            raise _infeasible(rank, bytes_per_token, err.min_cost, n, window, given) from None
         choice, exact, gap = res.choice, res.exact, res.value - res.lower_bound
         kept = _uniform_if_no_worse(heads, choice, selection[0][1])
         if kept is not None:
@@ -181,7 +203,6 @@ def allocate(
     for (li, h), j in zip(owners, choice, strict=True):
         ranks[li][h] = fits[li].ranks[j]
     layers = [_layer_summary(f, tm, r) for f, tm, r in zip(fits, traffic, ranks, strict=True)]
-    notes = []
     if not exact:
         notes.append(f"rank allocation rounded the costs; within {gap:.2e} nats/token of the optimum")
     if fallback:
@@ -190,7 +211,7 @@ def allocate(
             "the knapsack's allocation predicts no lower KL than uniform ranks at the same budget"
         )
     alloc = Allocation(
-        budget={"rank": float(rank)} if rank is not None else {"bytes_per_token": float(bytes_per_token)},
+        budget=given,
         allocation=allocation,
         selected_on=selection[0][1] if allocation == "output" else "none (uniform)",
         layers=layers,
@@ -204,6 +225,7 @@ def allocate(
         optimal=exact,
         gap_bound=gap,
         notes=notes,
+        sketch_map=sketch_map,
     )
     held = alloc.heldout_score
     if held is not None and alloc.predicted_kl > 0 and held > HELDOUT_MISMATCH * alloc.predicted_kl:
@@ -213,6 +235,24 @@ def allocate(
             "these ranks; calibrate with more --samples or longer --seq-len"
         )
     return alloc
+
+
+def _adaptive(
+    fits: list[LayerFit], traffic: list[TrafficModel], rank: float | None, bytes_per_token: float | None
+) -> tuple[list[LayerFit], list[TrafficModel], float]:
+    """The adaptive sketch's fits (:meth:`LayerFit.adaptive_view`), byte models and byte budget (a
+    rank budget M → what static rank M on every head reads)."""
+    missing = [f.layer for f in fits if f.adaptive_measured is None]
+    if missing:
+        raise SketchcalError(
+            f"the adaptive sketch's ranks are chosen on the held-out windows, which the statistics lack "
+            f"for layer(s) {', '.join(map(str, missing))}; calibrate with --heldout-windows > 0"
+        )
+    if rank is not None:
+        bytes_per_token = sum(
+            f.heads * tm.window_bytes(rank) / tm.window for f, tm in zip(fits, traffic, strict=True)
+        )
+    return [f.adaptive_view() for f in fits], [replace(tm, adaptive=True) for tm in traffic], bytes_per_token
 
 
 @dataclass(frozen=True)
@@ -240,7 +280,9 @@ def _uniform(heads: _Heads, rank: float | None, bytes_per_token: float | None, w
         )
     choice = _uniform_choice(heads)
     if choice is None:
-        raise _infeasible(rank, bytes_per_token, sum(min(c) for c in heads.costs), len(heads.costs), window)
+        raise _infeasible(
+            rank, bytes_per_token, sum(min(c) for c in heads.costs), len(heads.costs), window, None
+        )
     return choice
 
 
@@ -280,9 +322,20 @@ def _uniform_if_no_worse(heads: _Heads, choice: list[int], selected_on: str) -> 
 
 
 def _infeasible(
-    rank: float | None, bytes_per_token: float | None, min_cost: int, n: int, window: int
+    rank: float | None,
+    bytes_per_token: float | None,
+    min_cost: int,
+    n: int,
+    window: int,
+    given: dict[str, float] | None,
 ) -> SketchcalError:
     supported = ", ".join(str(m) for m in SUPPORTED_RANKS if m)
+    if rank is None and given is not None and "rank" in given:  # an adaptive sketch at a static rank's bytes
+        return SketchcalError(
+            f"--rank {given['rank']:g} with the adaptive sketch cannot be met: static rank "
+            f"{given['rank']:g} reads {bytes_per_token:.0f} bytes per token, the smallest adaptive ranks "
+            f"{min_cost / window:.0f}; raise --rank"
+        )
     if rank is not None:
         return SketchcalError(
             f"--rank {rank:g} cannot be met: the smallest supported rank of every head already gives "

@@ -11,6 +11,10 @@ For a head with frame R (its group's), rank m and rotated map ``P_rot`` [m, K]:
 - **measured** (from the verbatim held-out windows): ``Σ γ ‖S_cᵀu − (R S_c)_{:m}ᵀ (P_rot R u)‖² /
   Σ γ ‖S_cᵀu‖²``, summed over all sampled windows and their existing non-flush reads (a ratio of
   sums, not a mean of ratios), each read weighted by its γ (1 without weights).
+- **measured adaptive** (the adaptive sketch, same windows and weights): the read
+  ``Q (P_S u)`` of ``reference.adaptive_read``, with the factors ``reference.adaptive_factor``
+  makes of each checkpoint on the frame's first r rows, in place of the static map's read. No
+  moment formula predicts it (the map depends on the checkpoint), so it is measured only.
 
 Dense (m = 0) is exact: error 0.
 """
@@ -21,6 +25,7 @@ import torch
 from torch import Tensor
 
 from sketchcal.fit.basis import read_error
+from sketchcal.kernels.common.reference import adaptive_factor, adaptive_read
 
 
 def predicted_curve(frame: Tensor, maps: dict[int, Tensor], e: Tensor, c: Tensor, ranks: list[int]) -> Tensor:
@@ -67,11 +72,7 @@ def measured_curve(
         gamma: [R, L−1] output weights of the reads (None: all 1).
     NaN for every rank when the windows hold no (weighted) read energy.
     """
-    s = s.to(torch.float64)
-    weight = mask.to(torch.float64) if gamma is None else mask.to(torch.float64) * gamma.to(torch.float64)
-    u = u.to(torch.float64) * weight.sqrt().unsqueeze(-1)  # Σ γ‖S_cᵀu‖² = Σ ‖S_cᵀ(√γ u)‖²
-    exact = torch.einsum("rkv,rtk->rtv", s, u)
-    den = float((exact * exact).sum())
+    s, u, exact, den = _weighted_reads(s, u, mask, gamma)
     out = torch.zeros(len(ranks), dtype=torch.float64)
     if den <= 0.0:
         return out.fill_(float("nan"))
@@ -84,3 +85,33 @@ def measured_curve(
             diff = exact - approx
             out[i] = float((diff * diff).sum()) / den
     return out
+
+
+def measured_adaptive_curve(
+    frame: Tensor, s: Tensor, u: Tensor, mask: Tensor, ranks: list[int], gamma: Tensor | None = None
+) -> Tensor:
+    """Measured relative read error of one head's adaptive sketch at each rank r of ``ranks`` on
+    held-out windows (arguments as :func:`measured_curve`; the bases are the frame's first r rows).
+    Returns [len(ranks)] float64, NaN for every rank when the windows hold no (weighted) read energy."""
+    s, u, exact, den = _weighted_reads(s, u, mask, gamma)
+    out = torch.zeros(len(ranks), dtype=torch.float64)
+    if den <= 0.0:
+        return out.fill_(float("nan"))
+    for i, r in enumerate(ranks):
+        if r:
+            q, p = adaptive_factor(frame[:r].unsqueeze(0), s.unsqueeze(1))  # one head: [R, 1, ...]
+            diff = exact - adaptive_read(q, p, u.unsqueeze(2)).squeeze(2)
+            out[i] = float((diff * diff).sum()) / den
+    return out
+
+
+def _weighted_reads(
+    s: Tensor, u: Tensor, mask: Tensor, gamma: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor, float]:
+    """``(s, √γ·u, S_cᵀ(√γ·u), Σ γ‖S_cᵀu‖²)`` in float64 for checkpoints ``s`` [R, K, V] and queries
+    ``u`` [R, L−1, K] (masked reads weigh 0): each read's squared error then counts γ times."""
+    s = s.to(torch.float64)
+    weight = mask.to(torch.float64) if gamma is None else mask.to(torch.float64) * gamma.to(torch.float64)
+    u = u.to(torch.float64) * weight.sqrt().unsqueeze(-1)
+    exact = torch.einsum("rkv,rtk->rtv", s, u)
+    return s, u, exact, float((exact * exact).sum())

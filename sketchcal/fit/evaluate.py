@@ -39,11 +39,13 @@ def fit_all(
     coef: str = "state",
     shrinkage: str = "ledoit_wolf",
     seed: int = 0,
+    adaptive: bool = False,
     on_layer: Callable[[int], None] | None = None,
 ) -> list[LayerFit]:
     """Fit every layer of a :class:`~sketchcal.formats.stats.Stats`, one layer in memory at a time
-    (moments and held-out windows are read, fitted and dropped). ``on_layer(layer)`` is called after
-    each layer (progress)."""
+    (moments and held-out windows are read, fitted and dropped). ``adaptive``: also measure the
+    adaptive sketch's curves (``fit_layer``). ``on_layer(layer)`` is called after each layer
+    (progress)."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for li in stats.layers:
@@ -59,6 +61,7 @@ def fit_all(
                 shrinkage=shrinkage,
                 generator=gen,
                 decode_tokens=stats.decoded_tokens("calib"),
+                adaptive=adaptive,
             )
         )
         if on_layer is not None:

@@ -10,14 +10,14 @@ with n the decoded tokens of the calibration split.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 from sketchcal.fit.basis import coef_map, coef_maps, group_bases, nested_frame, projection_map
-from sketchcal.fit.curves import measured_curve, predicted_curve
-from sketchcal.fit.ranks import candidate_ranks
+from sketchcal.fit.curves import measured_adaptive_curve, measured_curve, predicted_curve
+from sketchcal.fit.ranks import adaptive_candidate_ranks, candidate_ranks
 from sketchcal.fit.shrinkage import shrink
 
 COEF_KINDS: tuple[str, ...] = ("state", "projection")
@@ -47,6 +47,8 @@ class LayerFit:
     measured: Tensor | None  # [H, C] f64, measured on the held-out windows
     read_energy: Tensor  # [H] f64, mean exact read energy per calibration read (for reports)
     kl_scale: Tensor  # [H] f64, predicted KL per decoded token of a relative error of 1
+    adaptive_ranks: list[int] | None = None  # the adaptive sketch's candidate ranks, dense (0) first
+    adaptive_measured: Tensor | None = None  # [H, C_a] f64, its error measured on the held-out windows
 
     @property
     def heads_per_group(self) -> int:
@@ -78,6 +80,19 @@ class LayerFit:
     def column(self, m: int) -> int:
         return self.ranks.index(m)
 
+    def adaptive_view(self) -> LayerFit:
+        """This fit as the adaptive sketch's: its candidate ranks and curves in place of the static
+        map's. Every curve is the one measured on the held-out windows (no moment formula predicts
+        an adaptive read). Needs :func:`fit_layer` with ``adaptive=True`` and windows."""
+        if self.adaptive_measured is None or self.adaptive_ranks is None:
+            raise ValueError(
+                f"layer {self.layer} has no adaptive curves (fit_layer(adaptive=True) with windows)"
+            )
+        return replace(
+            self, ranks=list(self.adaptive_ranks), predicted=self.adaptive_measured, heldout_predicted=None,
+            measured=self.adaptive_measured, adaptive_ranks=None, adaptive_measured=None,
+        )  # fmt: skip
+
 
 def fit_layer(
     info,
@@ -90,6 +105,7 @@ def fit_layer(
     shrinkage: str = "ledoit_wolf",
     generator: torch.Generator | None = None,
     decode_tokens: int | None = None,
+    adaptive: bool = False,
 ) -> LayerFit:
     """Fit the frames of one layer and compute its error curves.
 
@@ -106,6 +122,8 @@ def fit_layer(
         generator: randomness of the ``"random"`` basis.
         decode_tokens: decoded tokens of the calibration split, n in ``kl_scale`` (default: the
             number of non-flush reads, which undercounts by the flush reads).
+        adaptive: also measure the adaptive sketch's curves on ``windows`` (``adaptive_measured``
+            over ``adaptive_candidate_ranks``), for :meth:`LayerFit.adaptive_view`.
     """
     if coef not in COEF_KINDS:
         raise ValueError(f"unknown coefficient map {coef!r}; choose one of {', '.join(COEF_KINDS)}")
@@ -154,6 +172,9 @@ def fit_layer(
         e_ho, c_ho = heldout.E_mean, heldout.C_fisher_mean
     if windows is not None:
         fit.measured = torch.zeros(heads, len(ranks), dtype=torch.float64)
+        if adaptive:
+            fit.adaptive_ranks = adaptive_candidate_ranks(k, v_dim)
+            fit.adaptive_measured = torch.zeros(heads, len(fit.adaptive_ranks), dtype=torch.float64)
     for h in range(heads):
         frame = fit.frame_of(h)
         if coef == "projection":
@@ -167,4 +188,9 @@ def fit_layer(
             fit.measured[h] = measured_curve(
                 frame, maps, windows.S[:, h], windows.u[:, :, h], windows.mask, ranks, windows.gamma[:, :, h]
             )
+            if fit.adaptive_measured is not None:
+                fit.adaptive_measured[h] = measured_adaptive_curve(
+                    frame, windows.S[:, h], windows.u[:, :, h], windows.mask, fit.adaptive_ranks,
+                    windows.gamma[:, :, h],
+                )  # fmt: skip
     return fit

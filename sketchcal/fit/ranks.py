@@ -5,16 +5,32 @@ checkpoint (exact ReplaySSM read, no sketch). For a head with key dim K only ran
 candidates (:func:`candidate_ranks`): a rank-K sketch reads as many bytes as the dense read and is
 exact too, so dense covers it.
 
+An adaptive-sketch head (``sketch_map="adaptive"``) of rank r reads ``r·(K + V)`` values instead of
+``m·V``; its candidates (:func:`adaptive_candidate_ranks`) are every r up to 16, then the supported
+ones, while that is below the dense read.
+
 "Mean rank" everywhere counts a dense head as rank K.
 """
 
 from __future__ import annotations
 
-from sketchcal.kernels.common.pool import SUPPORTED_RANKS, candidate_ranks
+from sketchcal.kernels.common.pool import (
+    SKETCH_MAPS,
+    SUPPORTED_RANKS,
+    adaptive_candidate_ranks,
+    candidate_ranks,
+)
 
 DENSE = 0
 
-__all__ = ["DENSE", "SUPPORTED_RANKS", "candidate_ranks", "effective_rank"]
+__all__ = [
+    "DENSE",
+    "SKETCH_MAPS",
+    "SUPPORTED_RANKS",
+    "adaptive_candidate_ranks",
+    "candidate_ranks",
+    "effective_rank",
+]
 
 
 def effective_rank(m: int, key_dim: int) -> int:

@@ -30,11 +30,9 @@ from torch import Tensor
 
 from sketchcal.artifact.sketch import SketchLayer
 from sketchcal.errors import SketchcalError
-from sketchcal.kernels.common.pool import SketchTables
+from sketchcal.kernels.common.pool import SKETCH_MAPS, SketchTables
 from sketchcal.kernels.common.reference import adaptive_factor, adaptive_read, sketch_read, sketch_write
 from sketchcal.runtime.precision import store
-
-SKETCH_MAPS = ("static", "adaptive")  # the offline coefficient map, or one computed at each flush
 
 __all__ = ["SKETCH_MAPS", "AdaptiveTables", "ComputeTables", "SketchTables", "compute_tables", "layer_tables"]
 

@@ -1,4 +1,6 @@
-"""The adaptive-sketch ablation of ``verify``: a sketch re-ranked to read the bytes of another.
+"""The adaptive-sketch ablation of ``verify`` where the statistics hold no held-out windows (with
+them, ``verify`` allocates the adaptive ranks at the static row's bytes instead): a sketch
+re-ranked to read the bytes of another.
 
 A static head of rank m reads m·V values per non-flush step; an adaptive head of rank r reads
 r·(V + K) (its flush-made ``Q`` and ``P_S``, :mod:`sketchcal.runtime.sketch`). The adaptive

@@ -10,8 +10,9 @@ numbers):
   precisions against the same precision ``shared`` by the single checkpoint;
 - rank sweep: the sketch re-fitted at each ``rank`` budget from the calibration statistics;
 - sketch map: each static sketch row (the artifact's, the sweep's) again as an adaptive sketch at
-  its read bytes (:mod:`sketchcal.verify.adaptive`), and ``sketch_map`` runs every sketch row with
-  the map asked for.
+  its read bytes: ranks allocated for the adaptive read at the row's bytes (``convert
+  --sketch-map adaptive``'s allocation), or without held-out windows the static ranks re-ranked
+  (:mod:`sketchcal.verify.adaptive`); ``sketch_map`` runs every sketch row with the map asked for.
 
 Basis ablations and the rank sweep re-fit the sketch in memory with ``convert``'s own steps
 (:func:`~sketchcal.artifact.convert.fit_sketch`, :func:`~sketchcal.artifact.convert.sketch_section`)
@@ -189,14 +190,31 @@ class Refits:
         self.traffic = traffic_models(stats.family, stats.layers, stats.window, c.read_dtype, c.buffer_dtype)
         # the artifact's base model, its weights not written: the re-fits live in memory
         self.base_model = {**(art.config.get("base_model") or {}), "weights": "reference"}
-        self._done: dict[tuple[str, float, str], SketchArtifact] = {}
+        self._done: dict[tuple, SketchArtifact] = {}
 
-    def __call__(self, rank: float, basis: str, allocation: str = "output") -> SketchArtifact:
-        """The sketch fitted at mean rank ``rank`` with ``basis`` and ``allocation``."""
-        key = (basis, rank, allocation)
+    @property
+    def has_windows(self) -> bool:
+        """Whether every layer's statistics hold held-out windows (what an adaptive allocation needs)."""
+        return all(self.stats.has_windows(li.layer) for li in self.stats.layers)
+
+    def __call__(
+        self,
+        rank: float | None,
+        basis: str,
+        allocation: str = "output",
+        *,
+        bytes_per_token: float | None = None,
+        sketch_map: str | None = None,
+    ) -> SketchArtifact:
+        """The sketch fitted at mean rank ``rank`` (or at ``bytes_per_token``) with ``basis``,
+        ``allocation`` and ``sketch_map`` (default: the artifact's)."""
+        sketch_map = sketch_map or self.choices.sketch_map
+        key = (basis, rank, bytes_per_token, allocation, sketch_map)
         if key not in self._done:
-            choices = replace(self.choices, basis=basis, allocation=allocation)
-            fit = fit_sketch(self.stats, self.traffic, choices, rank=rank, progress=False)
+            choices = replace(self.choices, basis=basis, allocation=allocation, sketch_map=sketch_map)
+            fit = fit_sketch(
+                self.stats, self.traffic, choices, rank=rank, bytes_per_token=bytes_per_token, progress=False
+            )
             section = sketch_section(self.stats, fit, choices, self.base_model)
             # no file behind it: the metadata holds what the runtime checks, the fingerprint
             self._done[key] = SketchArtifact(
@@ -350,11 +368,25 @@ def _configs(
 
 
 def with_sketch_map(
-    cfgs: list[RunConfig], spec: ModelSpec, sketch_map: str | None, ablations: bool
+    cfgs: list[RunConfig],
+    spec: ModelSpec,
+    sketch_map: str | None,
+    ablations: bool,
+    refits: Refits | None = None,
 ) -> list[RunConfig]:
     """``cfgs`` with every sketch row run with ``sketch_map`` (None: the artifact's own), and, with
     ``ablations``, each static sketch row followed by its adaptive counterpart at the same read
-    bytes (``NAME · adaptive map``)."""
+    bytes (``NAME · adaptive map``): the adaptive allocation at the static row's bytes when the
+    statistics are there (``refits``), else the static ranks re-ranked (:func:`adaptive_counterpart`)."""
+
+    def counterpart_of(c: RunConfig) -> SketchArtifact:
+        summary = c.artifact.config.get("summary") or {}
+        spent = summary.get("bytes_per_token")
+        if refits is None or spent is None or not refits.has_windows:
+            return adaptive_counterpart(c.artifact, spec)
+        how = str(c.artifact.config.get("allocation", "output"))
+        return refits(None, c.basis, how, bytes_per_token=float(spent), sketch_map="adaptive")
+
     basis = next((c.basis for c in cfgs if c.group == "main" and c.mode == "sketch"), None)
     out = []
     for c in cfgs:
@@ -362,7 +394,7 @@ def with_sketch_map(
             own = str(c.artifact.config.get("sketch_map", "static"))
             c = replace(c, sketch_map=sketch_map or own)
             if c.sketch_map == "adaptive" and own != "adaptive":
-                c = replace(c, artifact=adaptive_counterpart(c.artifact, spec))
+                c = replace(c, artifact=counterpart_of(c))
         out.append(c)
         counterpart = c.group in ("main", "rank sweep") and c.basis == basis and c.sketch_map == "static"
         if ablations and c.mode == "sketch" and counterpart:
@@ -371,7 +403,7 @@ def with_sketch_map(
                     c,
                     name=f"{c.name} · adaptive map",
                     group="sketch map",
-                    artifact=adaptive_counterpart(c.artifact, spec),
+                    artifact=counterpart_of(c),
                     sketch_map="adaptive",
                 )
             )
@@ -455,7 +487,7 @@ def run_verify(settings: VerifySettings) -> VerifyResult:
 
     refits = Refits(stats, art) if stats is not None else None
     cfgs = with_sketch_map(
-        _configs(art, read_dtype, refits, s.rank, s.ablations, notes), spec, s.sketch_map, s.ablations
+        _configs(art, read_dtype, refits, s.rank, s.ablations, notes), spec, s.sketch_map, s.ablations, refits
     )
     metrics = {c.name: TokenMetrics(window) for c in cfgs}
     meters = {c.name: ReadErrorMeter(window) for c in cfgs}

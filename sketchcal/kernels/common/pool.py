@@ -37,6 +37,8 @@ FAMILIES = ("mamba2", "gdn", "kda")
 # allocation chooses among: steps of 2 up to 8, where heads whose states are nearly low-rank
 # (Mamba-2's) differ, then geometric steps, because the error curves flatten there.
 SUPPORTED_RANKS: tuple[int, ...] = (0, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+# how a sketch head reads: the offline coefficient map, or one made for each checkpoint at its flush
+SKETCH_MAPS: tuple[str, ...] = ("static", "adaptive")
 
 
 def candidate_ranks(key_dim: int) -> list[int]:
@@ -44,6 +46,14 @@ def candidate_ranks(key_dim: int) -> list[int]:
     supported ``0 < m < K`` (a rank-K sketch reads as many bytes as the dense read and is exact
     too, so dense covers it)."""
     return [0] + [m for m in SUPPORTED_RANKS if 0 < m < key_dim]
+
+
+def adaptive_candidate_ranks(key_dim: int, value_dim: int) -> list[int]:
+    """The ranks an adaptive-sketch head may take, dense (0) first: every r from 1 to 16, then the
+    supported ranks above, while a rank-r read, ``r·(K + V)`` values, is below the dense read's
+    ``K·V`` (the adaptive kernels mask by any rank; the small ones are where its heads differ)."""
+    options = [*range(1, 17), *(m for m in SUPPORTED_RANKS if m > 16)]
+    return [0] + [r for r in options if r * (key_dim + value_dim) < key_dim * value_dim]
 
 
 def check_family(family: str) -> str:
