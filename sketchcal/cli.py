@@ -187,7 +187,9 @@ def bench(
     new_tokens: Annotated[int, typer.Option(help="--e2e: decoded tokens per sequence")] = 256,
     modes: Annotated[
         str,
-        typer.Option(help="--e2e: comma-separated among generate,own,public,standard,replay,sketch,bound"),
+        typer.Option(
+            help="--e2e: comma-separated among generate,own,public,standard,replay,sketch,bound,adaptive"
+        ),
     ] = "generate,own,public,standard,replay,sketch,bound",
     layers: Annotated[int | None, typer.Option(help="--e2e: cut kimi-linear-48b to this many layers")] = None,
     prefill_rows: Annotated[

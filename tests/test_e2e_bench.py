@@ -62,7 +62,14 @@ def test_bound_step_removes_only_the_recurrent_work(fam):
 
 
 def test_summary_ratios_and_bound_share():
-    steps = {"generate": 100.0, "own": 30.0, "standard": 30.0, "sketch": 20.0, "bound": 17.5}
+    steps = {
+        "generate": 100.0,
+        "own": 30.0,
+        "standard": 30.0,
+        "sketch": 20.0,
+        "bound": 17.5,
+        "adaptive": 22.5,
+    }
     rows = [dict(batch=4, mode=m, ms_per_step=ms) for m, ms in steps.items()]
     result = {"rows": rows}
     _summarise(result)
@@ -70,6 +77,7 @@ def test_summary_ratios_and_bound_share():
     assert s["vs_generate"]["sketch"] == pytest.approx(5.0)
     assert s["vs_own"]["standard"] == pytest.approx(1.0)
     assert s["sketch_share_of_bound_gain"] == pytest.approx(10.0 / 12.5)
+    assert s["adaptive_share_of_bound_gain"] == pytest.approx(7.5 / 12.5)
 
 
 def test_table_without_a_generate_row():
@@ -152,3 +160,19 @@ def test_prefill_in_rows_changes_nothing_but_the_batching(fam):
     assert len(seen) == 2 * 3 and set(seen) == {1}  # both prefills, each split in three
     assert rel_max(got, want) <= 1e-6
     assert torch.equal(rows.sequences, plain.sequences)
+
+
+def test_adaptive_mode_reads_the_sketch_bytes():
+    """The ``adaptive`` mode's sketch: a static artifact re-ranked to read no more bytes; an adaptive
+    artifact as it is."""
+    from sketchcal.runtime.e2e_bench import adaptive_at_bytes_of
+
+    model, spec = tiny_model("gdn")
+    art = random_artifact(model, 8.0, 16)
+    ad = adaptive_at_bytes_of(model, art)
+    assert ad.config["sketch_map"] == "adaptive" and art.config.get("sketch_map", "static") == "static"
+    shape = spec.layers[0]
+    for lay, lay_ad in zip(art.layers, ad.layers, strict=True):
+        static_values = sum(lay.ranks.tolist()) * shape.value_dim
+        assert 0 < sum(lay_ad.ranks.tolist()) * (shape.key_dim + shape.value_dim) <= static_values
+    assert adaptive_at_bytes_of(model, ad) is ad

@@ -17,7 +17,10 @@ tokens each) is decoded greedily for ``new`` tokens by:
   spread over the heads as an allocation spreads them);
 - ``bound``: the graph decoder with every recurrent layer's decode call replaced by one that
   returns zeros and touches no state: the step without its recurrent-state work, the most any
-  recurrent kernel could gain (the Amdahl bound).
+  recurrent kernel could gain (the Amdahl bound);
+- ``adaptive`` (not run by default): the graph decoder with the Triton kernels in sketch mode
+  reading the adaptive sketch at the sketch's read bytes (the artifact itself when it is adaptive,
+  else its ranks re-ranked by ``sketchcal.verify.adaptive.adaptive_counterpart``).
 
 ``prefill_rows`` runs the recurrent layers' prefill function a few sequences at a time
 (:func:`prefill_in_rows`): the same function and results with a lower peak, for models whose
@@ -45,7 +48,8 @@ from torch import nn
 
 from sketchcal.errors import SketchcalError
 
-MODES = ("generate", "own", "public", "standard", "replay", "sketch", "bound")
+MODES = ("generate", "own", "public", "standard", "replay", "sketch", "bound", "adaptive")
+DEFAULT_MODES = MODES[:-1]
 OUT_OF_MEMORY = "out of GPU memory"
 
 
@@ -202,6 +206,17 @@ def _generate_row(model: nn.Module, ids: torch.Tensor, new: int) -> tuple[dict, 
     return dict(prefill_s=prefill_s, ms_per_step=step_ms), out
 
 
+def adaptive_at_bytes_of(model: nn.Module, artifact):
+    """``artifact`` as an adaptive sketch that reads its bytes: itself when it is one, else its ranks
+    re-ranked (``adaptive_counterpart``)."""
+    from sketchcal.models import describe
+    from sketchcal.verify.adaptive import adaptive_counterpart
+
+    if artifact.config.get("sketch_map") == "adaptive":
+        return artifact
+    return adaptive_counterpart(artifact, describe(model))
+
+
 def _graph_row(model: nn.Module, ids: torch.Tensor, new: int, mode: str, artifact, window: int):
     from sketchcal.runtime.graph_decode import GraphDecoder
     from sketchcal.runtime.patch import enabled
@@ -212,9 +227,12 @@ def _graph_row(model: nn.Module, ids: torch.Tensor, new: int, mode: str, artifac
             decoder.release_cache = mode == "bound"
             out = decoder.generate(ids, new)
     else:
-        art = artifact if mode == "sketch" else None
+        art = artifact if mode in ("sketch", "adaptive") else None
         backend, run_mode = ("public", "standard") if mode == "public" else ("triton", mode)
-        with enabled(model, art, run_mode, window=window, backend=backend) as rt:
+        opts = {}
+        if mode == "adaptive":
+            art, run_mode, opts = adaptive_at_bytes_of(model, artifact), "sketch", {"sketch_map": "adaptive"}
+        with enabled(model, art, run_mode, window=window, backend=backend, **opts) as rt:
             if rt.backend != backend:
                 raise SketchcalError(f"the {backend} backend cannot run this model in {mode} mode")
             decoder = GraphDecoder(model)
@@ -232,7 +250,7 @@ def run_e2e(
     new: int = 256,
     rank: float = 8.0,
     window: int = 16,
-    modes: tuple[str, ...] = MODES,
+    modes: tuple[str, ...] = DEFAULT_MODES,
     layers: int | None = None,
     prefill_rows: int | None = None,
     progress: bool = True,
@@ -329,10 +347,12 @@ def _summarise(result: dict) -> None:
         for base in ("generate", "own", "public", "standard"):
             if base in step:
                 line[f"vs_{base}"] = {m: step[base] / ms for m, ms in step.items()}
-        if {"standard", "sketch", "bound"} <= step.keys() and step["standard"] > step["bound"]:
-            line["sketch_share_of_bound_gain"] = (step["standard"] - step["sketch"]) / (
-                step["standard"] - step["bound"]
-            )
+        if {"standard", "bound"} <= step.keys() and step["standard"] > step["bound"]:
+            for m in ("sketch", "adaptive"):
+                if m in step:
+                    line[f"{m}_share_of_bound_gain"] = (step["standard"] - step[m]) / (
+                        step["standard"] - step["bound"]
+                    )
         summary.append(line)
     result["summary"] = summary
 
@@ -392,8 +412,9 @@ def print_e2e(result: dict, console=None) -> None:
             "not fit (transformers' torch Mamba-2 scan holds a whole batch's chunk temporaries)"
         )
     for s in result["summary"]:
-        share = s.get("sketch_share_of_bound_gain")
-        if share is not None:
-            console.print(
-                f"batch {s['batch']}: the sketch gets {share:.0%} of the Amdahl-bound gain over standard"
-            )
+        for m, what in (("sketch", "the sketch"), ("adaptive", "the adaptive sketch")):
+            share = s.get(f"{m}_share_of_bound_gain")
+            if share is not None:
+                console.print(
+                    f"batch {s['batch']}: {what} gets {share:.0%} of the Amdahl-bound gain over standard"
+                )
