@@ -151,6 +151,7 @@ def test_byte_model_counts_r_times_v_plus_k():
     # V = 64, K = 128: eight heads of rank 8 read 8·8·64 = 4096 values, 21⅓ adaptive ranks of 192
     assert adaptive_ranks([8] * 8, k, v) == [3, 3, 3, 3, 3, 2, 2, 2]
     assert adaptive_ranks([0, 4, 1], k, v) == [0, 1, 1]  # a sketch head keeps at least rank 1
+    assert adaptive_ranks([128, 8], k, v) == [0, 2]  # rank K reads the dense bytes: dense, exact
     g = torch.Generator().manual_seed(0)
     for _ in range(20):  # never more read bytes than the static heads it stands in for
         ranks = torch.randint(0, 25, (8,), generator=g).tolist()

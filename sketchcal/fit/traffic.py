@@ -111,9 +111,11 @@ class TrafficModel:
 def adaptive_ranks(static_ranks: list[int], key_dim: int, value_dim: int) -> list[int]:
     """Adaptive-sketch ranks for a layer's heads that read at most the bytes of a static sketch of
     ``static_ranks`` (Σ r·(V + K) ≤ Σ m·V): each head of rank m gets ``⌊m·V / (V + K)⌋`` (at least 1:
-    rank 0 means dense, which stays 0); the layer's remaining bytes then go one rank at a time to
-    the heads with the largest remainders (ties: lower head index)."""
+    rank 0 means dense, which stays 0, as does a head of rank m ≥ K, which reads the dense read's
+    bytes and then reads exactly); the layer's remaining bytes then go one rank at a time to the
+    heads with the largest remainders (ties: lower head index)."""
     width = value_dim + key_dim
+    static_ranks = [0 if m >= key_dim else m for m in static_ranks]
     exact = [m * value_dim / width for m in static_ranks]
     ranks = [0 if m <= 0 else max(1, int(e)) for m, e in zip(static_ranks, exact, strict=True)]
     spare = (sum(static_ranks) * value_dim - sum(ranks) * width) // width
