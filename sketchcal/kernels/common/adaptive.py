@@ -5,8 +5,8 @@ static sketch (``pool.sketch``). :func:`factor` (one Triton kernel, a program pe
 head) turns them into the adaptive read's factors, in the math of ``reference.adaptive_factor``
 (another orthonormal basis of the same span):
 
-    Qᵀ = orth(T)          [M, V]: Gram–Schmidt over T's rows, twice per row (rows past m zero)
-    P_S = Qᵀ S_cᵀ          [M, K]: one more pass over the checkpoint
+    Qᵀ = orth(T)          [M, V]: Gram–Schmidt over the head's m rows, twice per row (rows past m zero)
+    P_S = Qᵀ S_cᵀ          [M, K]: one more pass over the checkpoint (none for a dense head)
 
 The read of effective query ``u`` is then ``Q (P_S u)``: ``S_cᵀ u`` projected onto the span of
 ``S_cᵀ R_{:m}ᵀ``, what the reference's SVD gives, up to rounding. The read kernel takes ``P_S``
@@ -88,7 +88,7 @@ def _factor_kernel(
     t = t.to(tl.float32)
     largest = tl.max(tl.sqrt(tl.sum(t * t, axis=1)), axis=0)
     q = tl.zeros([MP, V], dtype=tl.float32)
-    for i in tl.static_range(M):  # rows ≥ M of T are zero
+    for i in range(0, m):  # rows ≥ m of T are zero (a rolled loop: the head's own rank)
         row = tl.sum(tl.where(o_r[:, None] == i, t, 0.0), axis=0)  # [V]
         for _ in tl.static_range(2):  # rows ≥ i of q are still zero
             row -= tl.sum(tl.sum(q * row[None, :], axis=1)[:, None] * q, axis=0)
@@ -98,33 +98,44 @@ def _factor_kernel(
         q = tl.where(o_r[:, None] == i, row[None, :], q)
     out_rows = o_r[:, None] < tl.where(live, M, 0)
     tl.store(rows + (sh * M + o_r[:, None]) * V + o_v[None, :], q.to(rows.dtype.element_ty), mask=out_rows)
-    for k0 in tl.static_range(0, K, BK):
-        o_k = k0 + tl.arange(0, BK)
-        in_k = o_k[:, None] < K
-        s_blk = tl.load(state + (sh * K + o_k[:, None]) * V + o_v[None, :], mask=in_k, other=0.0)  # [BK, V]
-        p = tl.dot(q, tl.trans(s_blk), input_precision=PRECISION)  # [MP, BK]
-        p_out = maps + (sh * M + o_r[:, None]) * K + o_k[None, :]
-        tl.store(p_out, p.to(maps.dtype.element_ty), mask=out_rows & (o_k[None, :] < K))
+    if m > 0:  # a dense head reads its read copy, never P_S: its checkpoint is not read here
+        for k0 in tl.static_range(0, K, BK):
+            o_k = k0 + tl.arange(0, BK)
+            in_k = o_k[:, None] < K
+            s_blk = tl.load(state + (sh * K + o_k[:, None]) * V + o_v[None, :], mask=in_k, other=0.0)
+            p = tl.dot(q, tl.trans(s_blk), input_precision=PRECISION)  # [MP, BK]
+            p_out = maps + (sh * M + o_r[:, None]) * K + o_k[None, :]
+            tl.store(p_out, p.to(maps.dtype.element_ty), mask=out_rows & (o_k[None, :] < K))
 
 
 def factor(
-    pool: DecodePool, sketch: AdaptiveSketch, slots: Tensor, *, block_k: int = 32, num_warps: int = 1
+    pool: DecodePool,
+    sketch: AdaptiveSketch,
+    slots: Tensor,
+    *,
+    block_k: int = 32,
+    num_warps: int | None = None,
 ) -> None:
     """The adaptive factors of the checkpoints ``pool.state[slots]`` from the sketch rows their
     flush just wrote (``pool.sketch[slots]``), into ``sketch.rows`` / ``sketch.maps``; entries
     with a negative slot write nothing.
 
-    One warp per program keeps Gram–Schmidt's reductions within a warp (2–4 warps were 2–8×
-    slower on an H200, and splitting a head's P_S columns over 2–4 programs, each redoing the
-    Gram–Schmidt, 1.2–1.8×). ``P_S`` comes from the tensor cores in TF32 when it is stored in bf16
-    (TF32's rounding, 2⁻¹¹, is below bf16's), else in three TF32 products (about fp32's)."""
+    ``num_warps`` (default: 1 for a layer of at most 16 rows, else 2): one warp keeps Gram–Schmidt's
+    reductions within it (at 12 rows, batch 256, GDN's shape on an H200: 156 µs, 2 warps 299, 4
+    warps 766; splitting a head's P_S columns over 2–4 programs, each redoing the Gram–Schmidt, was
+    1.2–1.8× slower); wider layers spill one warp's registers (48 rows: 1,393 µs, 2 warps 715).
+    ``P_S`` comes from the tensor cores in TF32 when it is stored in bf16 (TF32's rounding, 2⁻¹¹, is
+    below bf16's), else in three TF32 products (about fp32's)."""
     precision = "tf32" if sketch.maps.dtype.itemsize < 4 else "tf32x3"
     if interpreting():  # (the interpreter multiplies in fp32 and takes no TF32)
         precision = "ieee"
     _, h, kd, vd = pool.state.shape
     m = sketch.tables.map_rows
+    mp = max(16, next_pow2(m))
+    if num_warps is None:
+        num_warps = 1 if mp <= 16 else 2
     _factor_kernel[(h, slots.numel())](
         slots, pool.state, pool.sketch, sketch.rows, sketch.maps, sketch.tables.ranks, H=h, K=kd, V=vd,
-        M=m, MP=max(16, next_pow2(m)), SM=pool.sketch.shape[2], BK=min(block_k, kd), TOL=TOL,
+        M=m, MP=mp, SM=pool.sketch.shape[2], BK=min(block_k, kd), TOL=TOL,
         PRECISION=precision, num_warps=num_warps,
     )  # fmt: skip
