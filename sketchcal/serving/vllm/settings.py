@@ -165,6 +165,11 @@ def _check_artifact(art: SketchArtifact, family: str, model_dir: Path) -> None:
             f"{model_dir}: the sketch is for {art.config.get('family')} layers, the model has {family} "
             "layers; it belongs to another model, reconvert it"
         )
+    if art.config.get("sketch_map", "static") != "static":
+        raise SketchcalError(
+            f"{model_dir}: the sketch is adaptive and the vLLM plugin serves static sketches; convert "
+            "with --sketch-map static, or decode it with sketchcal's transformers runtime"
+        )
     try:
         check_fingerprint(art, model_dir, what=f"the sketch in {model_dir}")
     except SketchcalError:
