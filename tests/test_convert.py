@@ -149,6 +149,8 @@ def test_adaptive_sketch_artifact(base, tmp_path):
     """``--sketch-map adaptive``: ranks chosen for the adaptive read at static rank 8's bytes, recorded
     in config.json (format version 3) and the curves; the runtime then reads adaptively by default,
     and an artifact without ``sketch_map`` (version 2) reads static."""
+    from rich.console import Console
+
     from sketchcal.fit.traffic import TrafficModel
     from sketchcal.runtime.patch import _sketch_map
 
@@ -169,6 +171,13 @@ def test_adaptive_sketch_artifact(base, tmp_path):
     old = read_sketch(tmp_path / "static")
     old.config.pop("sketch_map")
     assert _sketch_map(None, old, "sketch") == "static"
+    # inspect plots the adaptive curves the ranks were chosen on (odd ranks are on them)
+    console = Console(record=True, width=140)
+    shown = inspect(tmp_path / "ad", tmp_path / "plots", console=console)
+    assert "adaptive map" in console.export_text() and any(
+        m % 2 for row in shown.layers for m in row["ranks"]
+    )
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in shown.plots)
 
 
 def test_reference_only(base, tmp_path):

@@ -190,7 +190,8 @@ def inspect(
     base = art.config.get("base_model", {})
     console.print(
         f"[bold]{d}[/bold]: {art.config['family']} sketch, window {art.config['window']}, basis "
-        f"{art.config.get('basis')}, base {base.get('id')} (weights: {base.get('weights')})"
+        f"{art.config.get('basis')}, {art.config.get('sketch_map', 'static')} map, base {base.get('id')} "
+        f"(weights: {base.get('weights')})"
     )
     if summary:
         print_allocation(summary, rows, console)
@@ -203,7 +204,9 @@ def inspect(
             out.mkdir(parents=True, exist_ok=True)
         result.plots = [
             _plot_ranks(rows, out / "ranks.png"),
-            _plot_curves(rows, _load_curves(d), out / "error_curves.png"),
+            _plot_curves(
+                rows, _load_curves(d), out / "error_curves.png", art.config.get("sketch_map") == "adaptive"
+            ),
         ]
         console.print(f"plots: {', '.join(str(p) for p in result.plots)}")
     return result
@@ -238,7 +241,11 @@ def _plot_ranks(rows: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
-def _plot_curves(rows: list[dict[str, Any]], curves: dict[str, torch.Tensor], path: Path) -> Path:
+def _plot_curves(
+    rows: list[dict[str, Any]], curves: dict[str, torch.Tensor], path: Path, adaptive: bool = False
+) -> Path:
+    """Each layer's error curves per head and its chosen ranks; an adaptive sketch's are its
+    measured adaptive curves (``adaptive_*`` in the curves file), the ones its ranks were chosen on."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -250,15 +257,17 @@ def _plot_curves(rows: list[dict[str, Any]], curves: dict[str, torch.Tensor], pa
     fig, axes = plt.subplots(nrows, cols, figsize=(4 * cols, 3 * nrows), squeeze=False)
     for ax, r in zip(axes.flat, rows, strict=False):
         p = f"layers.{r['layer']}."
-        if p + "predicted" not in curves:
+        kind = "adaptive_" if adaptive else ""
+        curve_key = p + ("adaptive_measured" if adaptive else "predicted")
+        if curve_key not in curves:
             ax.text(0.5, 0.5, "no curves stored", ha="center", va="center", transform=ax.transAxes)
             ax.set_title(f"layer {r['layer']}")
             continue
-        ranks = curves[p + "candidate_ranks"].tolist()
+        ranks = curves[p + kind + "candidate_ranks"].tolist()
         cols_nz = [i for i, m in enumerate(ranks) if m]  # dense is exact (error 0): no point on a log axis
         xs = [ranks[i] for i in cols_nz]
-        pred = curves[p + "predicted"][:, cols_nz].clamp_min(1e-12)
-        meas = curves.get(p + "measured")
+        pred = curves[curve_key][:, cols_nz].nan_to_num(1e-12).clamp_min(1e-12)
+        meas = None if adaptive else curves.get(p + "measured")
         floor = float(pred.min()) if pred.numel() else 1e-12
         for h in range(pred.shape[0]):
             color = f"C{h % 10}"
@@ -277,9 +286,8 @@ def _plot_curves(rows: list[dict[str, Any]], curves: dict[str, torch.Tensor], pa
         ax.set_title(f"layer {r['layer']}")
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
-    fig.suptitle(
-        "error vs rank per head (solid: predicted, dashed: measured held-out, dot: chosen, ▼ at K: dense)"
-    )
+    what = "solid: adaptive, measured held-out" if adaptive else "solid: predicted, dashed: measured held-out"
+    fig.suptitle(f"error vs rank per head ({what}, dot: chosen, ▼ at K: dense)")
     fig.tight_layout()
     _save(fig, path)
     plt.close(fig)
