@@ -111,6 +111,32 @@ def _heldout(loaded, seq_len: int) -> list[list[int]]:
     return build_samples(loaded.tokenizer, None, num_samples=1, seq_len=seq_len, heldout_samples=4).heldout
 
 
+def test_an_adaptive_artifact_is_verified_against_the_static_map_at_its_bytes(artifact, tmp_path):
+    """An adaptive artifact's rows read adaptively; each has a ``· static map`` row, the static
+    allocation at its bytes; ``--sketch-map static`` re-runs the sketch as that static allocation."""
+    convert(artifact / "stats", rank=4, out=tmp_path / "ad", model="builtin:tiny-gdn", sketch_map="adaptive")
+    opts = dict(
+        tokens=3 * WINDOW, prompt=8, samples=2, retrieval=False, plots=False, device="cpu", progress=False
+    )
+    res = verify(tmp_path / "ad", out=tmp_path / "r1", stats=artifact / "stats", **opts)
+    sk, static = res.config("sketch"), res.config("sketch · static map")
+    assert sk.sketch_map == "adaptive" and static.sketch_map == "static" and static.group == "sketch map"
+    assert res.config("sketch · uniform ranks").sketch_map == "adaptive"
+    assert static.traffic["bytes_per_token"] <= sk.traffic["bytes_per_token"] * (1 + 1e-9)
+    assert sk.mean_rank < static.mean_rank and sk.kl_mean != static.kl_mean
+    res = verify(
+        tmp_path / "ad",
+        out=tmp_path / "r2",
+        stats=artifact / "stats",
+        sketch_map="static",
+        ablations=False,
+        **opts,
+    )
+    again = res.config("sketch")
+    assert again.sketch_map == "static" and again.mean_rank == static.mean_rank
+    assert again.kl_mean == pytest.approx(static.kl_mean, rel=1e-6)
+
+
 def test_recall_is_not_applicable_where_the_full_state_model_fails_it(artifact, tmp_path, monkeypatch):
     """A model that answers (almost) no recall query with its full state gets no recall column: the
     sketch rows' recall would say nothing about the sketch."""

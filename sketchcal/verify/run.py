@@ -9,10 +9,10 @@ numbers):
 - ablations: PCA and random bases at the artifact's budget, and a low-precision read copy with two
   precisions against the same precision ``shared`` by the single checkpoint;
 - rank sweep: the sketch re-fitted at each ``rank`` budget from the calibration statistics;
-- sketch map: each static sketch row (the artifact's, the sweep's) again as an adaptive sketch at
-  its read bytes: ranks allocated for the adaptive read at the row's bytes (``convert
-  --sketch-map adaptive``'s allocation), or without held-out windows the static ranks re-ranked
-  (:mod:`sketchcal.verify.adaptive`); ``sketch_map`` runs every sketch row with the map asked for.
+- sketch map: each sketch row of the main basis (the artifact's, the sweep's) again with the other
+  map at its bytes: the allocation for that map at the row's bytes (``convert --sketch-map``'s),
+  or without statistics a static row's ranks re-ranked (:mod:`sketchcal.verify.adaptive`);
+  ``sketch_map`` runs every sketch row with the map asked for.
 
 Basis ablations and the rank sweep re-fit the sketch in memory with ``convert``'s own steps
 (:func:`~sketchcal.artifact.convert.fit_sketch`, :func:`~sketchcal.artifact.convert.sketch_section`)
@@ -375,36 +375,44 @@ def with_sketch_map(
     refits: Refits | None = None,
 ) -> list[RunConfig]:
     """``cfgs`` with every sketch row run with ``sketch_map`` (None: the artifact's own), and, with
-    ``ablations``, each static sketch row followed by its adaptive counterpart at the same read
-    bytes (``NAME · adaptive map``): the adaptive allocation at the static row's bytes when the
-    statistics are there (``refits``), else the static ranks re-ranked (:func:`adaptive_counterpart`)."""
+    ``ablations``, each sketch row of the main basis (the artifact's, the sweep's) followed by its
+    counterpart of the other map at the same bytes (``NAME · adaptive map`` / ``NAME · static
+    map``). A counterpart is the allocation for that map at the row's bytes when the statistics
+    are there (``refits``; the adaptive one needs their held-out windows); else a static row's
+    adaptive counterpart is its ranks re-ranked (:func:`adaptive_counterpart`) and an adaptive row
+    has no static one."""
 
-    def counterpart_of(c: RunConfig) -> SketchArtifact:
-        summary = c.artifact.config.get("summary") or {}
-        spent = summary.get("bytes_per_token")
-        if refits is None or spent is None or not refits.has_windows:
-            return adaptive_counterpart(c.artifact, spec)
+    def counterpart_of(c: RunConfig, to_map: str) -> SketchArtifact | None:
+        spent = (c.artifact.config.get("summary") or {}).get("bytes_per_token")
+        fits = refits is not None and spent is not None and (to_map == "static" or refits.has_windows)
+        if not fits:
+            return adaptive_counterpart(c.artifact, spec) if to_map == "adaptive" else None
         how = str(c.artifact.config.get("allocation", "output"))
-        return refits(None, c.basis, how, bytes_per_token=float(spent), sketch_map="adaptive")
+        return refits(None, c.basis, how, bytes_per_token=float(spent), sketch_map=to_map)
 
     basis = next((c.basis for c in cfgs if c.group == "main" and c.mode == "sketch"), None)
     out = []
     for c in cfgs:
+        own, given = None, c.artifact
         if c.mode == "sketch" and c.artifact is not None:
             own = str(c.artifact.config.get("sketch_map", "static"))
             c = replace(c, sketch_map=sketch_map or own)
-            if c.sketch_map == "adaptive" and own != "adaptive":
-                c = replace(c, artifact=counterpart_of(c))
+            if c.sketch_map != own:
+                other = counterpart_of(c, c.sketch_map)
+                if other is None:  # no statistics: the artifact's own ranks, read the other way
+                    own = None
+                else:
+                    c = replace(c, artifact=other)
         out.append(c)
-        counterpart = c.group in ("main", "rank sweep") and c.basis == basis and c.sketch_map == "static"
-        if ablations and c.mode == "sketch" and counterpart:
+        if not (ablations and own is not None and c.group in ("main", "rank sweep") and c.basis == basis):
+            continue
+        to_map = "static" if c.sketch_map == "adaptive" else "adaptive"
+        # a row re-run with the other map has its own artifact as the counterpart
+        other = given if to_map == own else counterpart_of(c, to_map)
+        if other is not None:
             out.append(
                 replace(
-                    c,
-                    name=f"{c.name} · adaptive map",
-                    group="sketch map",
-                    artifact=counterpart_of(c),
-                    sketch_map="adaptive",
+                    c, name=f"{c.name} · {to_map} map", group="sketch map", artifact=other, sketch_map=to_map
                 )
             )
     return out
