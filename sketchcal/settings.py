@@ -127,7 +127,7 @@ def _positive(settings: CommandSettings, *names: str) -> None:
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
-        raise SketchcalError(f"--{name} must be one of {', '.join(allowed)}, got {value!r}")
+        raise SketchcalError(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}, got {value!r}")
 
 
 @dataclass(frozen=True)

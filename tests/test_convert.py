@@ -312,6 +312,7 @@ BAD = {
     "garbage shard": (_garbage_shard, {"rank": 8}, "truncated or corrupt"),
     "output exists": (_existing_out, {"rank": 8}, "already exists"),
     "unknown basis": (None, {"rank": 8, "basis": "svd"}, "basis must be one of"),
+    "unknown sketch map": (None, {"rank": 8, "sketch_map": "dynamic"}, "--sketch-map must be one of"),
 }
 
 
