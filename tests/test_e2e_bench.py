@@ -170,7 +170,7 @@ def test_adaptive_mode_reads_the_sketch_bytes():
     model, spec = tiny_model("gdn")
     art = random_artifact(model, 8.0, 16)
     ad = adaptive_at_bytes_of(model, art)
-    assert ad.config["sketch_map"] == "adaptive" and art.config.get("sketch_map", "static") == "static"
+    assert ad.config["sketch_map"] == "adaptive" and art.sketch_map == "static"
     shape = spec.layers[0]
     for lay, lay_ad in zip(art.layers, ad.layers, strict=True):
         static_values = sum(lay.ranks.tolist()) * shape.value_dim

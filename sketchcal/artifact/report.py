@@ -190,7 +190,7 @@ def inspect(
     base = art.config.get("base_model", {})
     console.print(
         f"[bold]{d}[/bold]: {art.config['family']} sketch, window {art.config['window']}, basis "
-        f"{art.config.get('basis')}, {art.config.get('sketch_map', 'static')} map, base {base.get('id')} "
+        f"{art.config.get('basis')}, {art.sketch_map} map, base {base.get('id')} "
         f"(weights: {base.get('weights')})"
     )
     if summary:
@@ -204,9 +204,7 @@ def inspect(
             out.mkdir(parents=True, exist_ok=True)
         result.plots = [
             _plot_ranks(rows, out / "ranks.png"),
-            _plot_curves(
-                rows, _load_curves(d), out / "error_curves.png", art.config.get("sketch_map") == "adaptive"
-            ),
+            _plot_curves(rows, _load_curves(d), out / "error_curves.png", art.sketch_map == "adaptive"),
         ]
         console.print(f"plots: {', '.join(str(p) for p in result.plots)}")
     return result

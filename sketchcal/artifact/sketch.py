@@ -81,6 +81,11 @@ class SketchArtifact:
     def fingerprint(self) -> str:
         return self.metadata["fingerprint"]
 
+    @property
+    def sketch_map(self) -> str:
+        """What the ranks are for: ``static`` or ``adaptive`` (format versions 1–2 are static)."""
+        return str(self.config.get("sketch_map", "static"))
+
     def layer(self, index: int) -> SketchLayer:
         for lay in self.layers:
             if lay.layer == index:

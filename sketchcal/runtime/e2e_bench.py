@@ -49,7 +49,7 @@ from torch import nn
 from sketchcal.errors import SketchcalError
 
 MODES = ("generate", "own", "public", "standard", "replay", "sketch", "bound", "adaptive")
-DEFAULT_MODES = MODES[:-1]
+DEFAULT_MODES = tuple(m for m in MODES if m != "adaptive")
 OUT_OF_MEMORY = "out of GPU memory"
 
 
@@ -212,7 +212,7 @@ def adaptive_at_bytes_of(model: nn.Module, artifact):
     from sketchcal.models import describe
     from sketchcal.verify.adaptive import adaptive_counterpart
 
-    if artifact.config.get("sketch_map") == "adaptive":
+    if artifact.sketch_map == "adaptive":
         return artifact
     return adaptive_counterpart(artifact, describe(model))
 
@@ -227,12 +227,14 @@ def _graph_row(model: nn.Module, ids: torch.Tensor, new: int, mode: str, artifac
             decoder.release_cache = mode == "bound"
             out = decoder.generate(ids, new)
     else:
-        art = artifact if mode in ("sketch", "adaptive") else None
-        backend, run_mode = ("public", "standard") if mode == "public" else ("triton", mode)
-        opts = {}
-        if mode == "adaptive":
-            art, run_mode, opts = adaptive_at_bytes_of(model, artifact), "sketch", {"sketch_map": "adaptive"}
-        with enabled(model, art, run_mode, window=window, backend=backend, **opts) as rt:
+        backend, run_mode, art = "triton", mode, None
+        if mode == "public":
+            backend, run_mode = "public", "standard"
+        elif mode == "sketch":
+            art = artifact
+        elif mode == "adaptive":  # sketch mode; the artifact says which map it reads
+            run_mode, art = "sketch", adaptive_at_bytes_of(model, artifact)
+        with enabled(model, art, run_mode, window=window, backend=backend) as rt:
             if rt.backend != backend:
                 raise SketchcalError(f"the {backend} backend cannot run this model in {mode} mode")
             decoder = GraphDecoder(model)

@@ -406,7 +406,7 @@ def _artifact_window(art: SketchArtifact) -> int:
 def _sketch_map(sketch_map: str | None, art: SketchArtifact | None, mode: str) -> str:
     """The sketch map ``enable`` runs: the one asked for, else the artifact's, else static."""
     if sketch_map is None:
-        sketch_map = str((art.config if art is not None else {}).get("sketch_map", "static"))
+        sketch_map = art.sketch_map if art is not None else "static"
     if sketch_map not in SKETCH_MAPS:
         raise SketchcalError(f"sketch_map must be one of {', '.join(SKETCH_MAPS)}, got {sketch_map!r}")
     return sketch_map if mode == "sketch" else "static"

@@ -395,7 +395,7 @@ def with_sketch_map(
     for c in cfgs:
         own, given = None, c.artifact
         if c.mode == "sketch" and c.artifact is not None:
-            own = str(c.artifact.config.get("sketch_map", "static"))
+            own = c.artifact.sketch_map
             c = replace(c, sketch_map=sketch_map or own)
             if c.sketch_map != own:
                 other = counterpart_of(c, c.sketch_map)

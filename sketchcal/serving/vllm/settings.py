@@ -165,7 +165,7 @@ def _check_artifact(art: SketchArtifact, family: str, model_dir: Path) -> None:
             f"{model_dir}: the sketch is for {art.config.get('family')} layers, the model has {family} "
             "layers; it belongs to another model, reconvert it"
         )
-    if art.config.get("sketch_map", "static") != "static":
+    if art.sketch_map != "static":
         raise SketchcalError(
             f"{model_dir}: the sketch is adaptive and the vLLM plugin serves static sketches; convert "
             "with --sketch-map static, or decode it with sketchcal's transformers runtime"
