@@ -81,11 +81,14 @@ def require_vllm() -> ModuleType:
     return vllm
 
 
-def write_synthetic_sketch(model_dir: Path, rank: int, window: int = 16, seed: int = 0) -> None:
+def write_synthetic_sketch(
+    model_dir: Path, rank: int, window: int = 16, seed: int = 0, sketch_map: str = "static"
+) -> None:
     """Make ``model_dir`` (a model directory with a config.json) a converted model as ``sketchcal convert``
     writes it, with a synthetic sketch: per group a random orthogonal frame R, per head the calibrated
     map shape ``[I_m  Gᵀ]`` (small random G) at rank ``rank``, fingerprint and layer shapes from the
-    config. For tests that need a valid artifact of a model, not a fitted one."""
+    config (``sketch_map``: what the ranks are for). For tests that need a valid artifact of a model,
+    not a fitted one."""
     import json
 
     import transformers as tf
@@ -122,6 +125,7 @@ def write_synthetic_sketch(model_dir: Path, rank: int, window: int = 16, seed: i
         "file": SKETCH_FILE,
         "family": spec.family,
         "window": window,
+        "sketch_map": sketch_map,
         "fingerprint": spec.fingerprint,
         "traffic": {"state_dtype": "float32", "read_dtype": "float32", "buffer_dtype": "bfloat16"},
         "layers": [{**s.as_dict(), "ranks": [rank] * s.heads} for s in spec.layers],

@@ -39,8 +39,8 @@ from torch import Tensor
 
 from sketchcal.errors import SketchcalError
 from sketchcal.kernels import dispatch
-from sketchcal.kernels.common.adaptive import AdaptiveSketch
 from sketchcal.kernels.common.pool import (
+    AdaptiveSketch,
     DecodePool,
     SketchTables,
     allocate_pool,
@@ -51,7 +51,7 @@ from sketchcal.kernels.common.pool import (
 )
 from sketchcal.kernels.common.recurrence import StepInputs
 from sketchcal.kernels.common.testing import paged as page_layout
-from sketchcal.kernels.common.testing import random_inputs
+from sketchcal.kernels.common.testing import paged_adaptive, random_inputs
 from sketchcal.kernels.dispatch import DEFAULT_CONFIGS, KERNEL_OPS, KernelConfig
 
 
@@ -781,8 +781,10 @@ def run_bench(
             for suffix, overlap in (("staggered", True), ("staggered_serial", False)):
                 us = timer(staggered_fn(sketch, overlap), pools)
                 record(f"{name}_{suffix}", us, bm.window(window, sketch))
-    if not paged and any(ranks) and rd.itemsize > 1:  # (the adaptive sketch: dense bf16 / fp32 pools)
-        _time_adaptive(family, ranks, shape, make_pool, slots, pos, xs, outs, cfg, timer, record, ops, window)
+    if any(ranks) and rd.itemsize > 1:  # (the adaptive sketch: bf16 / fp32 pools)
+        _time_adaptive(
+            family, ranks, shape, make_pool, slots, pos, xs, outs, cfg, timer, record, ops, window, paged
+        )
     std_window = window * ops["standard"]["us"]
     anchor_us = ops["anchor"]["us"] if "anchor" in ops else None
     result = {
@@ -829,11 +831,12 @@ def run_bench(
 
 def _time_adaptive(
     family: str, ranks: list[int], shape: ModelShape, make_pool, slots, pos, xs, outs, cfg, timer, record,
-    ops: dict, window: int,
+    ops: dict, window: int, paged: bool,
 ) -> None:  # fmt: skip
     """The adaptive sketch's step, flush (its factors included) and window, at the ranks that read
-    the static sketch's bytes (``fit.traffic.adaptive_ranks``), on pools of their own. Its bytes
-    are the static window's plus the flush's extra pass over the checkpoint."""
+    the static sketch's bytes (``fit.traffic.adaptive_ranks``), on pools of their own (``paged``:
+    laid out as vLLM's pages, the factors in them). Its bytes are the static window's plus the
+    flush's extra pass over the checkpoint."""
     from sketchcal.fit.traffic import adaptive_ranks
 
     kd, vd = shape.key_dim, shape.value_dim
@@ -841,8 +844,13 @@ def _time_adaptive(
     snapped = [clip_rank(r, kd) for r in a_ranks]
     tables = random_sketch(family, snapped, shape.groups, kd, torch.Generator().manual_seed(1))
     tables = replace(tables, ranks=torch.tensor(a_ranks, dtype=torch.int32)).to(slots.device)
-    a_pools = [make_pool() for _ in outs]
-    sketches = [AdaptiveSketch.allocate(tables, p) for p in a_pools]
+    a_pools, sketches = [], []
+    for _ in outs:
+        pool = make_pool()
+        sketch = AdaptiveSketch.allocate(tables, pool)
+        pool, sketch = paged_adaptive(pool, sketch) if paged else (pool, sketch)
+        a_pools.append(pool)
+        sketches.append(sketch)
     c_read, c_flush = cfg["sketch"], cfg["flush_sketch"]  # (dispatch reads adaptively in one kernel)
 
     def steps() -> None:

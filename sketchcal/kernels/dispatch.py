@@ -27,7 +27,7 @@ layouts do not cover): Mamba-2's chunked flush with the same shape, KDA's sweep
 (:data:`SWEEP_FALLBACK`). A paged pool (each slot's part of a tensor contiguous, any slot stride,
 the checkpoint possibly value-major: vLLM's pages, ``pool.check_paged``) is served by the forms that
 take slot strides (:data:`PAGED_FORMS`): the reads and the sweep. The adaptive sketch's reads (each
-slot's own factors, ``common/adaptive.py``) run the one-kernel read.
+slot's own factors, ``common/adaptive.py``, in a dense or a paged pool) run the one-kernel read.
 
 Every family keeps its checkpoint in the model's own frame, so the state is the model's exact fp32
 recurrence and no per-step rotation of k or q is needed. The sketch of a head of rank m is the
@@ -46,12 +46,14 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from sketchcal.kernels.common.adaptive import AdaptiveSketch, factor
+from sketchcal.kernels.common.adaptive import factor
 from sketchcal.kernels.common.pool import (
     FAMILIES,
+    AdaptiveSketch,
     DecodePool,
     SketchTables,
     allocate_pool,
+    check_adaptive_pool,
     check_family,
     check_paged,
     is_dense,
@@ -396,7 +398,7 @@ def spec_verify(
 ) -> Tensor:  # fmt: skip
     """Outputs of T tokens following the ``pos[b]`` buffered ones, read from the checkpoint's read
     copy (``tables`` None: replay), its sketch, or with ``adaptive`` its adaptive factors (the
-    one-kernel read, dense pools), plus the buffer; no state is materialised or written. The T
+    one-kernel read), plus the buffer; no state is materialised or written. The T
     tokens are appended to the buffer at ``pos[b]`` (entries past the capacity are dropped: keep
     ``pos + T ≤ C``). Returns ``out`` [B, T, H, V]."""
     _, t, _, _, _, h = _dims(family, x, pool.heads)
@@ -478,8 +480,6 @@ def flush(
 
 
 def _adaptive_tables(pool: DecodePool, adaptive: AdaptiveSketch) -> SketchTables:
-    if not is_dense(pool):
-        raise ValueError("the adaptive sketch runs on dense pools only, not on paged ones")
-    if adaptive.slots != pool.state.shape[0] or adaptive.rows.device != pool.state.device:
-        raise ValueError("the adaptive sketch was allocated for another pool (AdaptiveSketch.allocate)")
+    check_adaptive_pool(pool)
+    adaptive.check(pool)
     return adaptive.tables

@@ -46,8 +46,7 @@ from sketchcal.errors import SketchcalError
 
 # ---- the kernels: every name this backend takes from sketchcal/kernels/ (re-point here when they move) ----
 from sketchcal.kernels.common import StepInputs
-from sketchcal.kernels.common.adaptive import AdaptiveSketch
-from sketchcal.kernels.common.pool import sketch_tables
+from sketchcal.kernels.common.pool import AdaptiveSketch, sketch_tables
 from sketchcal.kernels.dispatch import (
     CHUNK_MIN,
     STANDARD_VALUE_MAJOR,

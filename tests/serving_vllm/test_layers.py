@@ -40,7 +40,9 @@ WINDOW = 4
 TOKENIZER = ROOT / "sketchcal" / "assets" / "models" / "tiny-gdn"
 
 
-def model_dir(tmp: Path, model_type: str, architecture: str, **sizes: int) -> Path:
+def model_dir(
+    tmp: Path, model_type: str, architecture: str, sketch_map: str = "static", **sizes: int
+) -> Path:
     import json
 
     from sketchcal.models.tiny import tiny_config
@@ -55,7 +57,7 @@ def model_dir(tmp: Path, model_type: str, architecture: str, **sizes: int) -> Pa
     (out / "config.json").write_text(json.dumps(data))
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(TOKENIZER / name, out / name)
-    write_synthetic_sketch(out, rank=8, window=WINDOW)
+    write_synthetic_sketch(out, rank=8, window=WINDOW, sketch_map=sketch_map)
     return out
 
 
@@ -126,8 +128,8 @@ class Recorder:
     def attach(self, layer) -> None:
         step = layer.decoder.step
 
-        def recording(pool, cursor, blocks, x):
-            out = step(pool, cursor, blocks, x)
+        def recording(pages, blocks, x):
+            out = step(pages, blocks, x)
             self.calls.append((blocks.clone(), x.map(torch.clone), out.clone()))
             return out
 
@@ -149,13 +151,14 @@ class Recorder:
 
 def window_reference(layer, block: int, state: torch.Tensor, recorder: Recorder) -> None:
     """The block's served outputs against the runtime's WindowState from ``state`` [H, K, V] (sketch
-    tables from the layer), float64, on the inputs the layer decoded."""
+    tables and map from the layer), float64, on the inputs the layer decoded."""
     x, got = recorder.sequence(block)
     heads = layer.plan.heads
     f64 = Precision(compute_dtype=torch.float64)
     ref = WindowState(
-        layer.plan.family, state.double()[None], window=WINDOW, precision=f64, tables=layer.decoder.tables
-    )
+        layer.plan.family, state.double()[None], window=WINDOW, precision=f64, tables=layer.decoder.tables,
+        sketch_map="adaptive" if layer.decoder.adaptive else "static",
+    )  # fmt: skip
     want = ref.step(expand_groups(x.to(torch.float64), heads))
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
@@ -168,7 +171,7 @@ def assert_kernels_take(layer) -> None:
 
     from sketchcal.kernels.common.pool import check_paged, is_dense, value_major
 
-    pool, _ = layer.pool()
+    pool = layer.pages().pool
     cuda_state = layer.kv_cache[1].transpose(-1, -2)  # vLLM's [N, H, V, K], seen key-major
     assert value_major(cuda_state) and not is_dense(pool)
     read = cuda_state if pool.read is pool.state else pool.read
@@ -202,28 +205,44 @@ def run_gdn(layer, vllm_config, meta, hidden: torch.Tensor) -> torch.Tensor:
         return layer(hidden)
 
 
-@pytest.fixture(scope="module")
-def gdn_dir(tmp_path_factory) -> Path:
+def _gdn_dir(tmp: Path, sketch_map: str) -> Path:
     # the head dims of real models (and of builtin:tiny-gdn): vLLM's CPU kernels take only some
     sizes = dict(linear_key_head_dim=128, linear_value_head_dim=128)
-    return model_dir(tmp_path_factory.mktemp("gdn"), "qwen3_next", "Qwen3NextForCausalLM", **sizes)
+    return model_dir(tmp, "qwen3_next", "Qwen3NextForCausalLM", sketch_map, **sizes)
 
 
-@pytest.mark.parametrize("mode", ["replay", "sketch"])
-def test_gdn_layer(gdn_dir, mode):
+@pytest.fixture(scope="module")
+def gdn_dir(tmp_path_factory) -> Path:
+    return _gdn_dir(tmp_path_factory.mktemp("gdn"), "static")
+
+
+@pytest.fixture(scope="module")
+def gdn_adaptive_dir(tmp_path_factory) -> Path:
+    return _gdn_dir(tmp_path_factory.mktemp("gdn-adaptive"), "adaptive")
+
+
+def served_mode(mode: str) -> str:
+    """The plugin mode a test mode serves in: ``adaptive`` is sketch mode on an adaptive sketch."""
+    return "sketch" if mode == "adaptive" else mode
+
+
+@pytest.mark.parametrize("mode", ["replay", "sketch", "adaptive"])
+def test_gdn_layer(gdn_dir, gdn_adaptive_dir, mode):
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 
     use_served_layer("gdn")
     prefix = "model.layers.0.linear_attn"
+    model = gdn_adaptive_dir if mode == "adaptive" else gdn_dir
     served_cfg, std_cfg = (
-        engine_config(gdn_dir, mode, "bfloat16"),
-        engine_config(gdn_dir, "standard", "bfloat16"),
+        engine_config(model, served_mode(mode), "bfloat16"),
+        engine_config(model, "standard", "bfloat16"),
     )
     served = build(QwenGatedDeltaNetAttention, served_cfg, prefix)
     std = build(QwenGatedDeltaNetAttention, std_cfg, prefix, source=served)
     finish(served, served_cfg)
     finish(std, std_cfg)
-    assert served.serving is not None and served.serving.mode == mode and std.serving is None
+    assert served.serving is not None and served.serving.mode == served_mode(mode) and std.serving is None
+    assert served.decoder.adaptive == (mode == "adaptive") and served.plan.adaptive == (mode == "adaptive")
     recorder = Recorder()
     recorder.attach(served)
     hidden_size = served_cfg.model_config.hf_config.hidden_size
@@ -238,7 +257,7 @@ def test_gdn_layer(gdn_dir, mode):
     h = inputs(15)
     meta = gdn_metadata([], [(3, 6), (6, 9)])
     torch.testing.assert_close(run_gdn(served, served_cfg, meta, h), run_gdn(std, std_cfg, meta, h))
-    pool, cursor = served.pool()
+    pool, cursor, _ = served.pages()
     assert_kernels_take(served)
     states.update({b: pool.state[b].clone() for b in (3, 6)})
     assert cursor[3] == cursor[6] == 0
@@ -260,11 +279,11 @@ def test_gdn_layer(gdn_dir, mode):
             # both in bf16 (vLLM's CPU GDN runs bf16 activations): agreement to a few bf16 roundings
             assert float((live.float() - want.float()).norm() / want.float().norm()) < 1e-2
         if joining:
-            states[5] = served.pool()[0].state[5].clone()
+            states[5] = served.pages().pool.state[5].clone()
             decoding = [*decoding, 5]
     for block in (3, 6, 5):
         window_reference(served, block, states[block], recorder)
-    pool, cursor = served.pool()
+    pool, cursor, _ = served.pages()
     assert cursor[0] == 0 and not pool.buf_w[0].any()  # the null block was never written
 
 
@@ -287,7 +306,7 @@ def test_gdn_cuda_decode_call_unpacks_the_packed_decode(gdn_dir):
     gen = torch.Generator().manual_seed(3)
     state = 0.3 * torch.randn(hv, kd, vd, generator=gen)
     for layer in (split, packed):
-        pool, _ = layer.pool()
+        pool = layer.pages().pool
         pool.state[3], pool.state[5] = state, -state
         layer.settle(torch.tensor([3, 5]), buffered=False)
     blocks = torch.tensor([3, 0, 5], dtype=torch.int32)  # a padding row between two sequences
@@ -372,9 +391,18 @@ def gather_stand_in(
 
 @pytest.fixture(scope="module")
 def kda_dir(tmp_path_factory) -> Path:
+    return _kda_dir(tmp_path_factory.mktemp("kda"), "static")
+
+
+@pytest.fixture(scope="module")
+def kda_adaptive_dir(tmp_path_factory) -> Path:
+    return _kda_dir(tmp_path_factory.mktemp("kda-adaptive"), "adaptive")
+
+
+def _kda_dir(tmp: Path, sketch_map: str) -> Path:
     import json
 
-    out = model_dir(tmp_path_factory.mktemp("kda"), "kimi_linear", "KimiLinearForCausalLM")
+    out = model_dir(tmp, "kimi_linear", "KimiLinearForCausalLM", sketch_map)
     cfg = json.loads((out / "config.json").read_text())
     kinds = cfg["layer_types"]
     # vLLM 0.32 reads Kimi-Linear's original config section (1-based layer numbers)
@@ -389,8 +417,8 @@ def kda_dir(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("mode", ["replay", "sketch"])
-def test_kda_layer(kda_dir, mode, monkeypatch):
+@pytest.mark.parametrize("mode", ["replay", "sketch", "adaptive"])
+def test_kda_layer(kda_dir, kda_adaptive_dir, mode, monkeypatch):
     from vllm.forward_context import set_forward_context
     from vllm.model_executor.layers.mamba.gdn import kimi_gdn_linear_attn
     from vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn import KimiGatedDeltaNetAttention
@@ -401,10 +429,11 @@ def test_kda_layer(kda_dir, mode, monkeypatch):
     monkeypatch.setattr(vllm_kda, "chunk_kda_with_fused_gate", chunked_prefill_stand_in)
     monkeypatch.setattr(kimi_gdn_linear_attn, "gather_initial_states", gather_stand_in)
     prefix = "model.layers.0.self_attn"
-    cfg = engine_config(kda_dir, mode, "float32")
+    cfg = engine_config(kda_adaptive_dir if mode == "adaptive" else kda_dir, served_mode(mode), "float32")
     layer = build(KimiGatedDeltaNetAttention, cfg, prefix)
     finish(layer, cfg)
-    assert layer.serving is not None and layer.serving.mode == mode
+    assert layer.serving is not None and layer.serving.mode == served_mode(mode)
+    assert layer.decoder.adaptive == (mode == "adaptive")
     calls: list[dict[str, torch.Tensor]] = []
     decode_call = layer.decode_call
 
@@ -428,20 +457,20 @@ def test_kda_layer(kda_dir, mode, monkeypatch):
 
     STARTS.clear()
     forward([], [(3, 5), (6, 7)])
-    pool, _ = layer.pool()
+    pool = layer.pages().pool
     assert_kernels_take(layer)
     states = {b: pool.state[b].clone() for b in (3, 6)}
     decoding, pad = [3, 6], [0]
     for step in range(2 * WINDOW + 3):
         if step == 3:  # a mixed batch: vLLM's chunked path continues 3 and 6 and prefills 5
             forward(decoding, [(5, 4)])
-            folded = {b: layer.pool()[0].state[b].clone() for b in (3, 5, 6)}
+            folded = {b: layer.pages().pool.state[b].clone() for b in (3, 5, 6)}
             decoding = [*decoding, 5]
             continue
         forward([*decoding, *pad], [])
-    pool, cursor = layer.pool()
+    pool, cursor, _ = layer.pages()
     assert cursor[0] == 0 and not pool.buf_w[0].any()  # the padding rows never touched the null block
-    if mode == "sketch":
+    if mode != "replay":
         for block in (3, 6):  # their windows up to the mixed batch, and from there on
             window_reference(layer, block, states[block], _Before(recorder, 3))
             window_reference(layer, block, folded[block], _After(recorder, 3))

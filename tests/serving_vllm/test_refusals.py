@@ -93,13 +93,14 @@ def test_refuses_a_sketch_of_another_model(converted, tmp_path):
     assert "fitted for another model" in refusal(other, **SERVABLE)
 
 
-def test_refuses_an_adaptive_sketch(converted, tmp_path):
+def test_refuses_an_adaptive_sketch_read_in_fp8(converted, tmp_path):
     adaptive = tmp_path / "adaptive"
     shutil.copytree(converted, adaptive)
     cfg = json.loads((adaptive / "config.json").read_text())
     cfg["sketch_config"]["sketch_map"] = "adaptive"
+    cfg["sketch_config"]["traffic"]["read_dtype"] = "fp8"
     (adaptive / "config.json").write_text(json.dumps(cfg))
-    assert "--sketch-map static" in refusal(adaptive, **SERVABLE)
+    assert "--read-dtype bf16" in refusal(adaptive, **SERVABLE)
 
 
 def test_refuses_an_unlisted_architecture(converted, tmp_path):

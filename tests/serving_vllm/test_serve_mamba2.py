@@ -40,9 +40,8 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("serve")
-    stats, out = tmp / "stats", tmp / "model-sketch"
+def calibrated(tmp_path_factory) -> Path:
+    stats = tmp_path_factory.mktemp("serve") / "stats"
     sketchcal.calibrate(
         "builtin:tiny-mamba2",
         out=stats,
@@ -52,7 +51,21 @@ def converted(tmp_path_factory) -> Path:
         device="cpu",
         progress=False,
     )
-    sketchcal.convert(stats, rank=8, out=out, progress=False)
+    return stats
+
+
+@pytest.fixture(scope="module")
+def converted(calibrated) -> Path:
+    out = calibrated.parent / "model-sketch"
+    sketchcal.convert(calibrated, rank=8, out=out, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def converted_adaptive(calibrated) -> Path:
+    """The adaptive sketch at the read bytes of static rank 8."""
+    out = calibrated.parent / "model-adaptive"
+    sketchcal.convert(calibrated, rank=8, sketch_map="adaptive", out=out, progress=False)
     return out
 
 
@@ -129,11 +142,12 @@ def runtime_generate(
 
 
 @pytest.fixture(scope="module")
-def runs(converted, prompts) -> dict[str, Served]:
+def runs(converted, converted_adaptive, prompts) -> dict[str, Served]:
     return {
         "standard": serve(BASE, prompts),  # no sketch_config: the plugin changes nothing
         "replay": serve(converted, prompts, "replay"),
         "sketch": serve(converted, prompts),  # the default mode
+        "adaptive": serve(converted_adaptive, prompts),  # sketch mode on the adaptive sketch
     }
 
 
@@ -196,6 +210,20 @@ def test_sketch_matches_the_runtime_sketch(runs, converted, prompts, implementat
     assert disagreement < 0.02 * effect
 
 
+def test_adaptive_sketch_matches_the_runtime_adaptive_sketch(
+    runs, converted_adaptive, prompts, implementation_gap
+):
+    """The adaptive sketch served (each flush makes its checkpoint's map in the page) decodes what
+    the transformers runtime decodes on the same directory; it reads other numbers than the static
+    sketch (its greedy tokens or log-probabilities differ)."""
+    adaptive, sketch = runs["adaptive"], runs["sketch"]
+    assert all(m.serving is not None and m.serving.adaptive for m in adaptive.mixers)
+    rt_tokens, rt_logprobs = runtime_generate(converted_adaptive, prompts, "sketch")
+    assert adaptive.tokens == rt_tokens
+    assert _max_gap(adaptive.logprobs, rt_logprobs) <= 1.1 * implementation_gap
+    assert adaptive.tokens != sketch.tokens or _max_gap(adaptive.logprobs, sketch.logprobs) > 1e-3
+
+
 def test_page_accounting(runs, converted):
     std, replay, sketch = runs["standard"], runs["replay"], runs["sketch"]
     heads, groups, k, v, window = 8, 2, 128, 64, 16
@@ -203,6 +231,10 @@ def test_page_accounting(runs, converted):
     rows = max(int(lay.coef.shape[1]) for lay in sketch.mixers[0].serving.artifact.layers)
     assert replay.state_page == std.state_page + buffers
     assert sketch.state_page == replay.state_page + heads * rows * v * 4
+    # the adaptive sketch's page: its sketch rows, then Qᵀ [H, M, V] and P_S [H, M, K] per sequence
+    adaptive = runs["adaptive"]
+    ad_rows = max(int(lay.coef.shape[1]) for lay in adaptive.mixers[0].serving.artifact.layers)
+    assert adaptive.state_page == replay.state_page + heads * ad_rows * (2 * v + k) * 4
     # vLLM pads every recurrent page to an attention block of whole 16-token steps; the sequences it
     # can hold fall as that page grows
     for run in (std, replay, sketch):

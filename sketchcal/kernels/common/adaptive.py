@@ -21,70 +21,39 @@ drops singular values below its tolerance; either way the read of it is negligib
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from sketchcal.kernels.common.pool import DecodePool, SketchTables, next_pow2
+from sketchcal.kernels.common.pool import AdaptiveSketch, DecodePool, next_pow2, value_major
 from sketchcal.kernels.common.triton_helpers import interpreting
 
 TOL = 2.0**-20  # a row of T with less of its own direction than this (relative) is dropped
 
 
-@dataclass
-class AdaptiveSketch:
-    """A layer's adaptive sketch for a pool of N slots: the static tables (bases, ranks, dense
-    heads) and the per-slot factors the flushes write.
-
-        tables  the layer's :class:`SketchTables` (its ``maps`` are not read)
-        rows    [N, H, M, V] Qᵀ per slot (the pool's sketch dtype), M = ``tables.map_rows``
-        maps    [N, H, M, K] P_S per slot, as ``rows``
-    """
-
-    tables: SketchTables
-    rows: Tensor
-    maps: Tensor
-
-    @classmethod
-    def allocate(cls, tables: SketchTables, pool: DecodePool) -> AdaptiveSketch:
-        """Zero factors for every slot of ``pool`` (a dense window pool with a sketch), in its
-        sketch's dtype and on its device."""
-        if pool.sketch is None:
-            raise ValueError("the adaptive sketch needs a pool with sketch rows (sketch mode)")
-        if pool.sketch.dtype.itemsize == 1:
-            raise ValueError("the adaptive sketch keeps its factors in bf16 or fp32; use a bf16 read copy")
-        n, h, kd, vd = pool.state.shape
-        if vd & (vd - 1):
-            raise ValueError(f"the adaptive sketch's kernels take a power-of-two value dim, got V={vd}")
-        m = tables.map_rows
-        z = dict(dtype=pool.sketch.dtype, device=pool.sketch.device)
-        return cls(tables, torch.zeros(n, h, m, vd, **z), torch.zeros(n, h, m, kd, **z))
-
-    @property
-    def slots(self) -> int:
-        return self.rows.shape[0]
-
-
 @triton.jit
 def _factor_kernel(
-    slots, state, sketch, rows, maps, ranks, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    M: tl.constexpr, MP: tl.constexpr, SM: tl.constexpr, BK: tl.constexpr, TOL: tl.constexpr,
-    PRECISION: tl.constexpr,
+    slots, state, sketch, rows, maps, ranks, ss_state, ss_sketch, ss_rows, ss_maps, K: tl.constexpr,
+    V: tl.constexpr, M: tl.constexpr, MP: tl.constexpr, SM: tl.constexpr, BK: tl.constexpr,
+    TOL: tl.constexpr, PRECISION: tl.constexpr, STATE_VM: tl.constexpr,
 ):  # fmt: skip
     """Program (head, batch entry): Qᵀ [M, V] and P_S [M, K] of the entry's slot and head (nothing
-    for padding). ``sketch`` [N, H, SM, V] the flush's rows T, ``state`` [N, H, K, V] fp32."""
+    for padding). ``sketch`` [N, H, SM, V] the flush's rows T, ``state`` [N, H, K, V] fp32
+    (``STATE_VM``: each slot's part stored value-major, [H, V, K]); each tensor's slot part at its
+    slot stride ``ss_*`` (a dense pool's or a page's)."""
     i_h = tl.program_id(0)
     i_b = tl.program_id(1)
     s = tl.load(slots + i_b).to(tl.int64)
     live = s >= 0
-    sh = tl.where(live, s, 0) * H + i_h
+    s = tl.where(live, s, 0)
+    state += s * ss_state + i_h * (K * V)
+    sketch += s * ss_sketch + i_h * (SM * V)
+    rows += s * ss_rows + i_h * (M * V)
+    maps += s * ss_maps + i_h * (M * K)
     m = tl.load(ranks + i_h)
     o_r = tl.arange(0, MP)
     o_v = tl.arange(0, V)
-    t = tl.load(sketch + (sh * SM + o_r[:, None]) * V + o_v[None, :], mask=o_r[:, None] < m, other=0.0)
+    t = tl.load(sketch + o_r[:, None] * V + o_v[None, :], mask=o_r[:, None] < m, other=0.0)
     t = t.to(tl.float32)
     largest = tl.max(tl.sqrt(tl.sum(t * t, axis=1)), axis=0)
     q = tl.zeros([MP, V], dtype=tl.float32)
@@ -97,14 +66,18 @@ def _factor_kernel(
         row = tl.where(keep, row / tl.where(keep, norm, 1.0), 0.0)
         q = tl.where(o_r[:, None] == i, row[None, :], q)
     out_rows = o_r[:, None] < tl.where(live, M, 0)
-    tl.store(rows + (sh * M + o_r[:, None]) * V + o_v[None, :], q.to(rows.dtype.element_ty), mask=out_rows)
+    tl.store(rows + o_r[:, None] * V + o_v[None, :], q.to(rows.dtype.element_ty), mask=out_rows)
     if m > 0:  # a dense head reads its read copy, never P_S: its checkpoint is not read here
         for k0 in tl.static_range(0, K, BK):
             o_k = k0 + tl.arange(0, BK)
             in_k = o_k[:, None] < K
-            s_blk = tl.load(state + (sh * K + o_k[:, None]) * V + o_v[None, :], mask=in_k, other=0.0)
+            if STATE_VM:
+                s_at = state + o_v[None, :] * K + o_k[:, None]
+            else:
+                s_at = state + o_k[:, None] * V + o_v[None, :]
+            s_blk = tl.load(s_at, mask=in_k, other=0.0)  # [BK, V]
             p = tl.dot(q, tl.trans(s_blk), input_precision=PRECISION)  # [MP, BK]
-            p_out = maps + (sh * M + o_r[:, None]) * K + o_k[None, :]
+            p_out = maps + o_r[:, None] * K + o_k[None, :]
             tl.store(p_out, p.to(maps.dtype.element_ty), mask=out_rows & (o_k[None, :] < K))
 
 
@@ -118,7 +91,8 @@ def factor(
 ) -> None:
     """The adaptive factors of the checkpoints ``pool.state[slots]`` from the sketch rows their
     flush just wrote (``pool.sketch[slots]``), into ``sketch.rows`` / ``sketch.maps``; entries
-    with a negative slot write nothing.
+    with a negative slot write nothing. ``pool`` is dense or paged (``pool.check_paged``: its state
+    may be value-major), ``sketch`` checked for it (:meth:`AdaptiveSketch.check`).
 
     ``num_warps`` (default: 1 for a layer of at most 16 rows, else 2): one warp keeps Gram–Schmidt's
     reductions within it (at 12 rows, batch 256, GDN's shape on an H200: 156 µs, 2 warps 299, 4
@@ -134,8 +108,10 @@ def factor(
     mp = max(16, next_pow2(m))
     if num_warps is None:
         num_warps = 1 if mp <= 16 else 2
+    state_vm = value_major(pool.state)
     _factor_kernel[(h, slots.numel())](
-        slots, pool.state, pool.sketch, sketch.rows, sketch.maps, sketch.tables.ranks, H=h, K=kd, V=vd,
-        M=m, MP=mp, SM=pool.sketch.shape[2], BK=min(block_k, kd), TOL=TOL,
-        PRECISION=precision, num_warps=num_warps,
+        slots, pool.state, pool.sketch, sketch.rows, sketch.maps, sketch.tables.ranks, pool.state.stride(0),
+        pool.sketch.stride(0), sketch.rows.stride(0), sketch.maps.stride(0), K=kd, V=vd, M=m, MP=mp,
+        SM=pool.sketch.shape[2], BK=min(block_k, kd), TOL=TOL, PRECISION=precision, STATE_VM=state_vm,
+        num_warps=num_warps,
     )  # fmt: skip

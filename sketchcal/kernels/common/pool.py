@@ -380,6 +380,69 @@ class SketchTables:
             self.family, *(t.to(device) for t in (self.ranks, self.maps, self.frames, self.read_rows))
         )
 
+    def with_map_rows(self, rows: int) -> SketchTables:
+        """These tables with ``rows`` ≥ :attr:`map_rows` map rows (the new ones zero): the M of a
+        pool whose sketch is shared by layers of different widest ranks (vLLM's one page size)."""
+        if rows < self.map_rows:
+            raise ValueError(f"the tables have {self.map_rows} map rows, more than {rows}")
+        maps = torch.nn.functional.pad(self.maps, (0, 0, 0, rows - self.map_rows))
+        return SketchTables(self.family, self.ranks, maps, self.frames, self.read_rows)
+
+
+@dataclass
+class AdaptiveSketch:
+    """A layer's adaptive sketch over a pool of N slots: the static tables (bases, ranks, dense
+    heads) and the per-slot factors each flush writes (``common/adaptive.py`` has the math).
+
+        tables  the layer's :class:`SketchTables` (its ``maps`` are not read)
+        rows    [N, H, M, V] Qᵀ per slot, in the pool's sketch dtype, M = ``tables.map_rows``
+        maps    [N, H, M, K] P_S per slot, as ``rows``
+
+    ``rows`` and ``maps`` are contiguous arrays (:meth:`allocate`) or, beside a paged pool, views of
+    the same pages (each slot's part contiguous, any slot stride: vLLM's pages).
+    """
+
+    tables: SketchTables
+    rows: Tensor
+    maps: Tensor
+
+    @classmethod
+    def allocate(cls, tables: SketchTables, pool: DecodePool) -> AdaptiveSketch:
+        """Zero factors for every slot of ``pool`` (a window pool with a sketch), in its sketch's
+        dtype and on its device."""
+        check_adaptive_pool(pool)
+        n, h, kd, vd = pool.state.shape
+        m = tables.map_rows
+        z = dict(dtype=pool.sketch.dtype, device=pool.sketch.device)
+        return cls(tables, torch.zeros(n, h, m, vd, **z), torch.zeros(n, h, m, kd, **z))
+
+    @property
+    def slots(self) -> int:
+        return self.rows.shape[0]
+
+    def check(self, pool: DecodePool) -> None:
+        """Raise ValueError unless these factors are shaped, typed and placed for ``pool``."""
+        n, h, kd, vd = pool.state.shape
+        m = self.tables.map_rows
+        for name, t, shape in (("rows", self.rows, (n, h, m, vd)), ("maps", self.maps, (n, h, m, kd))):
+            if tuple(t.shape) != shape or t.device != pool.state.device or not rows_contiguous(t):
+                raise ValueError(
+                    f"adaptive {name} must be {list(shape)} on {pool.state.device} with each slot's part "
+                    f"contiguous, got {list(t.shape)} on {t.device} (AdaptiveSketch.allocate makes them)"
+                )
+
+
+def check_adaptive_pool(pool: DecodePool) -> None:
+    """Raise ValueError unless ``pool`` can hold an adaptive sketch: sketch rows in bf16 or fp32,
+    a power-of-two value dim."""
+    if pool.sketch is None:
+        raise ValueError("the adaptive sketch needs a pool with sketch rows (sketch mode)")
+    if pool.sketch.dtype.itemsize == 1:
+        raise ValueError("the adaptive sketch keeps its factors in bf16 or fp32; use a bf16 read copy")
+    vd = pool.state.shape[-1]
+    if vd & (vd - 1):
+        raise ValueError(f"the adaptive sketch's kernels take a power-of-two value dim, got V={vd}")
+
 
 def _rank_mask(ranks: Tensor, rows: int) -> Tensor:
     return torch.arange(rows, device=ranks.device)[None, :] < ranks[:, None]

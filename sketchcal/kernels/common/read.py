@@ -21,8 +21,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from sketchcal.kernels.common.adaptive import AdaptiveSketch
-from sketchcal.kernels.common.pool import DecodePool, SketchTables, is_dense, slot_strides, value_major
+from sketchcal.kernels.common.pool import (
+    AdaptiveSketch,
+    DecodePool,
+    SketchTables,
+    is_dense,
+    slot_strides,
+    value_major,
+)
 from sketchcal.kernels.common.recurrence import StepInputs
 from sketchcal.kernels.common.triton_helpers import (
     FAMILY_ID,
@@ -44,7 +50,7 @@ from sketchcal.kernels.common.triton_helpers import (
 @triton.jit
 def _read_kernel(
     slots, pos, q, k, w, decay, beta, skip, out, buf_k, buf_w, buf_decay, buf_beta, buf_logdecay, rd, sk,
-    ranks, maps, sk_head_stride, ss_bk, ss_bw, ss_bd, ss_bb, ss_bl, ss_rd, ss_sk,
+    ranks, maps, sk_head_stride, ss_bk, ss_bw, ss_bd, ss_bb, ss_bl, ss_rd, ss_sk, ss_map,
     T: tl.constexpr, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr,
     V: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, M: tl.constexpr, FAMILY: tl.constexpr,
     SKETCH: tl.constexpr, HAS_SKIP: tl.constexpr, GROUP: tl.constexpr, DENSE_ROWS: tl.constexpr,
@@ -55,8 +61,9 @@ def _read_kernel(
     as log₂ in bf16 from ``buf_logdecay`` (half the bytes; the flush keeps the fp32 ones), which
     each appended token also gets. ``PAGED``: the pool is not dense (``pool.is_dense``), each tensor's
     slot part is at its slot stride ``ss_*`` (buf_k, buf_w, buf_decay, buf_beta, buf_logdecay, rd,
-    sk); ``RD_VM``: the read copy is value-major. ``SLOT_MAPS`` (the adaptive sketch, dense pools):
-    ``maps`` and ``sk`` hold each slot's own map and sketch rows ([N, H, M, K], [N, H, M, V])."""
+    sk, and with ``SLOT_MAPS`` maps); ``RD_VM``: the read copy is value-major. ``SLOT_MAPS`` (the
+    adaptive sketch): ``maps`` and ``sk`` hold each slot's own map and sketch rows ([N, H, M, K],
+    [N, H, M, V])."""
     dependent_launch(PDL)
     i_v = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -75,6 +82,8 @@ def _read_kernel(
         buf_k, buf_w, buf_decay = buf_k + s * ss_bk, buf_w + s * ss_bw, buf_decay + s * ss_bd
         buf_beta, buf_logdecay = buf_beta + s * ss_bb, buf_logdecay + s * ss_bl
         rd, sk = rd + s * ss_rd, sk + s * ss_sk
+        if SLOT_MAPS:
+            maps += s * ss_map
         sh, sg = i_h, i_g
     else:  # dense [N, ...] arrays: the head's and group's index over all slots
         sh, sg = s * H + i_h, s * G + i_g
@@ -221,8 +230,8 @@ def launch(
     out: Tensor, cfg, adaptive: AdaptiveSketch | None = None,
 ) -> None:  # fmt: skip
     """:func:`_read_kernel` over (V / BV, H, B) for a checked window pool and inputs: reads the
-    read copy (``tables`` None: replay), the sketch, or with ``adaptive`` (a dense pool; ``tables``
-    is its tables) each slot's adaptive factors; writes ``out`` [B, T, H, V]."""
+    read copy (``tables`` None: replay), the sketch, or with ``adaptive`` (``tables`` is its
+    tables) each slot's adaptive factors; writes ``out`` [B, T, H, V]."""
     b, t, g, kd = x.k.shape
     h, vd = pool.heads, x.w.shape[-1]
     bv = clip_block_v(cfg.block_v, vd)
@@ -242,7 +251,7 @@ def launch(
         *slot_strides(
             pool, "buf_k", "buf_w", "buf_decay", "buf_beta", "buf_logdecay", fallback=pool.buf_decay
         ),
-        pool.read.stride(0), sk.stride(0), T=t, H=h, G=g, K=kd, V=vd, BV=bv, C=pool.capacity,
+        pool.read.stride(0), sk.stride(0), maps.stride(0), T=t, H=h, G=g, K=kd, V=vd, BV=bv, C=pool.capacity,
         M=tables.map_rows if sketch else 1, FAMILY=FAMILY_ID[family], SKETCH=sketch,
         HAS_SKIP=x.skip is not None, LOG2_DECAY=pool.buf_logdecay is not None,
         PAGED=paged, RD_VM=paged and value_major(pool.read), SLOT_MAPS=adaptive is not None,

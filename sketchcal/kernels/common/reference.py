@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sketchcal.kernels.common.pool import DecodePool, SketchTables, expand_groups
+from sketchcal.kernels.common.pool import AdaptiveSketch, DecodePool, SketchTables, expand_groups
 from sketchcal.kernels.common.recurrence import StepInputs, product_form_read, read, recurrence
 
 F64 = torch.float64
@@ -178,11 +178,14 @@ def standard_step(family: str, pool: DecodePool, slots: Tensor, x: StepInputs) -
 
 def spec_verify(
     family: str, pool: DecodePool, slots: Tensor, pos: Tensor, x: StepInputs,
-    tables: SketchTables | None = None,
+    tables: SketchTables | None = None, adaptive: AdaptiveSketch | None = None,
 ) -> Tensor:  # fmt: skip
     """Outputs of T tokens after the ``pos[b]`` buffered ones, from checkpoint + buffer, without
     materialising a state; the T tokens are appended to the buffer. ``tables`` None reads the
-    full read copy (replay), else the sketch."""
+    full read copy (replay), else the sketch; ``adaptive``: each slot's adaptive factors
+    (:func:`adaptive_read`; its ``tables`` are the layer's)."""
+    if adaptive is not None:
+        tables = adaptive.tables
     fam = _family(family)
     out = _outputs(x, pool.heads)
     nt = x.num_tokens
@@ -195,8 +198,12 @@ def spec_verify(
         else:
             o, u = product_form_read(fam, torch.zeros_like(pool.state[s], dtype=F64), win)
             full = None if pool.read is None else pool.read[s]
-            sketch = pool.sketch[s, :, : tables.map_rows]
-            o = o + sketch_read(tables.maps, sketch, u, tables.ranks == 0, full)
+            if adaptive is None:
+                sketch = pool.sketch[s, :, : tables.map_rows]
+                o = o + sketch_read(tables.maps, sketch, u, tables.ranks == 0, full)
+            else:
+                q = adaptive.rows[s].transpose(-1, -2)
+                o = o + adaptive_read(q, adaptive.maps[s], u, tables.ranks == 0, full)
         out[b] = o[p : p + nt]
         _store_tokens(pool, s, p, x, b)
     return out
@@ -208,19 +215,25 @@ def replay_step(family: str, pool: DecodePool, slots: Tensor, pos: Tensor, x: St
 
 
 def sketch_step(
-    family: str, pool: DecodePool, tables: SketchTables, slots: Tensor, pos: Tensor, x: StepInputs
-) -> Tensor:
-    """Non-flush SketchSSM step: sketch rows R_{:m} S_c + buffer (dense heads: the read copy)."""
-    return spec_verify(family, pool, slots, pos, x, tables)
+    family: str, pool: DecodePool, tables: SketchTables, slots: Tensor, pos: Tensor, x: StepInputs,
+    adaptive: AdaptiveSketch | None = None,
+) -> Tensor:  # fmt: skip
+    """Non-flush SketchSSM step: sketch rows R_{:m} S_c + buffer (dense heads: the read copy), or
+    with ``adaptive`` each slot's adaptive factors."""
+    return spec_verify(family, pool, slots, pos, x, tables, adaptive)
 
 
 def flush(
     family: str, pool: DecodePool, slots: Tensor, pos: Tensor, x: StepInputs | None = None,
-    tables: SketchTables | None = None,
+    tables: SketchTables | None = None, adaptive: AdaptiveSketch | None = None,
 ) -> Tensor | None:  # fmt: skip
     """Fold the ``pos[b]`` buffered tokens (then ``x``'s one token, if given, whose output is
     returned) exactly into the fp32 checkpoint; refresh the read copy (all rows, or
-    ``tables.read_rows``) and, with ``tables``, the sketch R_{:m} S_c of every head of rank m."""
+    ``tables.read_rows``) and, with ``tables``, the sketch R_{:m} S_c of every head of rank m;
+    with ``adaptive``, then the slot's adaptive factors of the new checkpoint
+    (:func:`adaptive_factor`, stored as ``adaptive.rows`` = Qᵀ and ``adaptive.maps`` = P_S)."""
+    if adaptive is not None:
+        tables = adaptive.tables
     fam = _family(family)
     out = None if x is None else _outputs(x, pool.heads)
     for b, (s, n) in enumerate(zip(slots.tolist(), pos.tolist(), strict=True)):
@@ -239,4 +252,8 @@ def flush(
             old = pool.sketch[s, :, : tables.map_rows]
             new = _stored(sketch_write(tables.sketch_rows(), st), pool.sketch.dtype)
             old.copy_(torch.where(tables.rank_mask()[..., None], new, old))
+        if adaptive is not None:
+            q, p = adaptive_factor(tables.sketch_rows(), st)
+            adaptive.rows[s] = _stored(q.transpose(-1, -2), adaptive.rows.dtype)
+            adaptive.maps[s] = _stored(p, adaptive.maps.dtype)
     return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sketchcal.kernels.common.pool import DecodePool, allocate_pool
+from sketchcal.kernels.common.pool import AdaptiveSketch, DecodePool, allocate_pool
 from sketchcal.kernels.common.recurrence import StepInputs
 
 
@@ -94,11 +94,21 @@ def paged(pool: DecodePool, *, lead_bytes: int = 64) -> DecodePool:
     ``lead_bytes`` of something else (vLLM's conv state), then each tensor's slot part, one after
     the other; the state value-major (vLLM's layout), and the read copy the state itself when it is
     fp32 (as the plugin's pages keep it); a Mamba-2 sketch pool's workspace too."""
+    return paged_adaptive(pool, None, lead_bytes=lead_bytes)[0]
+
+
+def paged_adaptive(
+    pool: DecodePool, adaptive: AdaptiveSketch | None, *, lead_bytes: int = 64
+) -> tuple[DecodePool, AdaptiveSketch | None]:
+    """:func:`paged`, with the adaptive factors ``adaptive`` (if given) in the same pages, after the
+    pool's tensors (as the plugin's pages keep them)."""
     tensors = pool.tensors()
     if pool.workspace is not None:
         tensors["workspace"] = pool.workspace
     if tensors.get("read") is not None and tensors["read"].dtype == torch.float32:
         del tensors["read"]
+    if adaptive is not None:
+        tensors["adaptive_rows"], tensors["adaptive_maps"] = adaptive.rows, adaptive.maps
     parts = {name: t[0].numel() * t.element_size() for name, t in tensors.items()}
     page = lead_bytes + sum(-(-b // 16) * 16 for b in parts.values())
     raw = torch.zeros(pool.slots, page, dtype=torch.uint8, device=pool.state.device)
@@ -116,4 +126,7 @@ def paged(pool: DecodePool, *, lead_bytes: int = 64) -> DecodePool:
         offset += -(-parts[name] // 16) * 16
     if "read" not in out and pool.read is not None:
         out["read"] = out["state"]
-    return DecodePool(**out)
+    factors = None
+    if adaptive is not None:
+        factors = AdaptiveSketch(adaptive.tables, out.pop("adaptive_rows"), out.pop("adaptive_maps"))
+    return DecodePool(**out), factors

@@ -133,5 +133,4 @@ class SketchQwenGatedDeltaNet(ServedLayer, QwenGatedDeltaNetAttention):
         }
         x, _ = self.adapter.inputs("decode", call)
         xk = kernel_inputs(x, self.plan.groups, self.serving.buffer_dtype)
-        pool, cursor = self.pool()
-        return self.decoder.step(pool, cursor, blocks.reshape(-1), xk)
+        return self.decoder.step(self.pages(), blocks.reshape(-1), xk)

@@ -77,6 +77,5 @@ class SketchKimiDeltaAttention(ServedLayer, KimiGatedDeltaNetAttention):
         }
         x, _ = self.adapter.inputs("decode", call)
         xk = kernel_inputs(x, self.plan.groups, self.serving.buffer_dtype)
-        pool, cursor = self.pool()
-        o = self.decoder.step(pool, cursor, kwargs["state_indices"].reshape(-1), xk)
+        o = self.decoder.step(self.pages(), kwargs["state_indices"].reshape(-1), xk)
         return o[:, 0][None].to(mixed.dtype), kwargs["initial_state"]

@@ -11,7 +11,8 @@ swaps the class by name). When the vLLM config being built serves a sketch
   :class:`~sketchcal.kernels.common.StepInputs` and runs :class:`WindowDecoder`), and with
   ``kv_cache`` showing vLLM's own states only (:meth:`base_forward`: vLLM's code unpacks them);
 - settles the rows vLLM's own prefill path computed (:meth:`settle`): their cursors restart at 0
-  and their read copy and sketch are written from the new checkpoint.
+  and their read copy and sketch (and the adaptive sketch's factors) are written from the new
+  checkpoint.
 
 Otherwise every method is the base class's.
 """
@@ -26,10 +27,9 @@ import torch
 from torch import Tensor
 
 from sketchcal.errors import SketchcalError
-from sketchcal.kernels.common.pool import DecodePool
 from sketchcal.serving.vllm.decode import WindowDecoder
 from sketchcal.serving.vllm.intercept import active, install
-from sketchcal.serving.vllm.page import PagePlan
+from sketchcal.serving.vllm.page import PagePlan, Pages
 from sketchcal.serving.vllm.settings import ServeSettings, serve_settings
 
 
@@ -45,7 +45,12 @@ def page_plan(settings: ServeSettings, entry: dict[str, Any]) -> PagePlan:
         read_dtype=settings.read_dtype,
         buffer_dtype=settings.buffer_dtype,
         map_rows=settings.map_rows,
-        workspace=settings.device == "cuda" and settings.family == "mamba2" and settings.map_rows > 0,
+        # Mamba-2's split sketch read on CUDA (the adaptive sketch runs the one-kernel read)
+        workspace=settings.device == "cuda"
+        and settings.family == "mamba2"
+        and settings.map_rows > 0
+        and not settings.adaptive,
+        adaptive=settings.adaptive,
     )
 
 
@@ -64,9 +69,11 @@ def _tables(settings: ServeSettings, index: int, plan: PagePlan):
     from sketchcal.runtime.sketch import layer_tables
 
     layer = settings.artifact.layer(index)
-    return layer_tables(
+    tables = layer_tables(
         layer, family=settings.family, heads=plan.heads, key_dim=plan.key_dim, device=settings.device
     )
+    # the adaptive factors in the page have the page's rows, which the kernels take from the tables
+    return tables.with_map_rows(plan.map_rows) if plan.adaptive else tables
 
 
 class ServedLayer:
@@ -125,7 +132,8 @@ class ServedLayer:
         self.plan = page_plan(settings, entry)
         if self.plan != model_page_plan(settings):
             raise SketchcalError("the sketch's layers differ in shape; vLLM needs one page per layer kind")
-        self.decoder = WindowDecoder(settings.family, settings.window, _tables(settings, index, self.plan))
+        tables = _tables(settings, index, self.plan)
+        self.decoder = WindowDecoder(settings.family, settings.window, tables, adaptive=settings.adaptive)
 
     def served_shapes(self, base: tuple) -> tuple:
         return base if self.plan is None else (*base, *self.plan.shapes)
@@ -171,14 +179,14 @@ class ServedLayer:
         if chunked:
             self.settle(rows[: meta.num_decodes + meta.num_prefills], buffered=False)
 
-    def pool(self) -> tuple[DecodePool, Tensor]:
-        """The decode pool over block ids and the cursors, viewing this layer's bound pages."""
+    def pages(self) -> Pages:
+        """The decode pool over block ids, the cursors and the adaptive factors, viewing this
+        layer's bound pages."""
         assert self.plan is not None
         states = self._pages if self._pages is not None else self.kv_cache  # type: ignore[attr-defined]
-        return self.plan.pool(self.checkpoint_view(states[1]), states[self.base_states :])
+        return self.plan.pages(self.checkpoint_view(states[1]), states[self.base_states :])
 
     def settle(self, blocks: Tensor | None, *, buffered: bool) -> None:
         if self.decoder is None or blocks is None:
             return
-        pool, cursor = self.pool()
-        self.decoder.settle(pool, cursor, blocks.reshape(-1), buffered=buffered)
+        self.decoder.settle(self.pages(), blocks.reshape(-1), buffered=buffered)

@@ -55,6 +55,5 @@ class SketchMambaMixer2(ServedLayer, MambaMixer2):
         out = kwargs["out"]
         x, _ = self.adapter.inputs("decode", named)
         xk = kernel_inputs(x, self.n_groups, self.serving.buffer_dtype)
-        pool, cursor = self.pool()
-        o = self.decoder.step(pool, cursor, kwargs["state_batch_indices"].reshape(-1), xk)
+        o = self.decoder.step(self.pages(), kwargs["state_batch_indices"].reshape(-1), xk)
         out.copy_(o[:, 0].to(out.dtype).view_as(out))

@@ -10,6 +10,8 @@ dim, V value dim, C = L buffered tokens for a window of L, M sketch rows):
     read          [H, K, V]  read copy of the checkpoint, in the read dtype (absent when that is
                              fp32: the checkpoint is then read directly)
     sketch        [H, M, V]  sketch mode: R_{:m} S_c per head, in the read dtype
+    adaptive_rows [H, M, V]  the adaptive sketch: Qᵀ of the checkpoint, made at its flush
+    adaptive_maps [H, M, K]  ... and P_S (``kernels.common.adaptive``), both in the read dtype
     buf_k         [G, C, K]  buffered keys, buffer dtype
     buf_w         [H, C, V]  buffered values (β·v, or dt·x for Mamba-2), buffer dtype
     buf_decay     [H, C]     fp32 ([H, C, K] for KDA)
@@ -19,8 +21,8 @@ dim, V value dim, C = L buffered tokens for a window of L, M sketch rows):
                              (``DecodePool.workspace``)
     cursor        [1]        int32: tokens buffered since the last flush (0 .. L−1)
 
-:func:`PagePlan.pool` turns the layer's bound page views (each [N, ...] over N block ids) into a
-``DecodePool`` over block ids plus the cursor column [N].
+:func:`PagePlan.pages` turns the layer's bound page views (each [N, ...] over N block ids) into
+:class:`Pages`: a ``DecodePool`` over block ids, the cursor column [N] and the adaptive factors.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -47,6 +50,15 @@ def check_checkpoint_dtype(dtype: torch.dtype) -> None:
         )
 
 
+class Pages(NamedTuple):
+    """A served layer's pages as the decode reads them: ``pool`` over block ids, ``cursor`` [N]
+    int32, and for the adaptive sketch ``factors``: (Qᵀ [N, H, M, V], P_S [N, H, M, K]), else None."""
+
+    pool: DecodePool
+    cursor: Tensor
+    factors: tuple[Tensor, Tensor] | None = None
+
+
 @dataclass(frozen=True)
 class PagePlan:
     """The tensors a served layer appends to its vLLM page (see the module docstring)."""
@@ -61,6 +73,7 @@ class PagePlan:
     buffer_dtype: torch.dtype
     map_rows: int  # 0 in replay mode
     workspace: bool = False  # Mamba-2's split sketch read on CUDA: its per-slot scratch
+    adaptive: bool = False  # sketch mode with the adaptive sketch: its factors per sequence
 
     @property
     def capacity(self) -> int:
@@ -75,6 +88,9 @@ class PagePlan:
             out.append(("read", (h, k, v), self.read_dtype))
         if self.map_rows > 0:
             out.append(("sketch", (h, self.map_rows, v), self.read_dtype))
+            if self.adaptive:
+                out.append(("adaptive_rows", (h, self.map_rows, v), self.read_dtype))
+                out.append(("adaptive_maps", (h, self.map_rows, k), self.read_dtype))
         out.append(("buf_k", (g, c, k), self.buffer_dtype))
         out.append(("buf_w", (h, c, v), self.buffer_dtype))
         out.append(("buf_decay", (h, c, k) if self.family == "kda" else (h, c), torch.float32))
@@ -103,8 +119,8 @@ class PagePlan:
         """Bytes per sequence this plan adds to the layer's page."""
         return sum(prod(shape) * dtype.itemsize for _, shape, dtype in self.entries())
 
-    def pool(self, checkpoint: Tensor, views: Sequence[Tensor]) -> tuple[DecodePool, Tensor]:
-        """The slot pool over block ids and the cursors [N] int32.
+    def pages(self, checkpoint: Tensor, views: Sequence[Tensor]) -> Pages:
+        """The slot pool over block ids, the cursors [N] int32 and the adaptive factors.
 
         ``checkpoint``: the recurrent state seen key-major, [N, H, K, V] fp32 (a view of vLLM's own
         state tensor); ``views``: the tensors of :meth:`entries`, in order, each [N, *shape].
@@ -122,4 +138,7 @@ class PagePlan:
         check_checkpoint_dtype(checkpoint.dtype)
         cursor = named.pop("cursor")[:, 0]
         read = named.pop("read", checkpoint)
-        return DecodePool(state=checkpoint, read=read, **named), cursor
+        factors = None
+        if self.adaptive and self.map_rows > 0:
+            factors = named.pop("adaptive_rows"), named.pop("adaptive_maps")
+        return Pages(DecodePool(state=checkpoint, read=read, **named), cursor, factors)

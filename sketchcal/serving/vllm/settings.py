@@ -6,7 +6,9 @@ section ``sketchcal convert`` writes; without it the plugin changes nothing. Opt
 ``--additional-config '{"sketchcal": {"mode": "replay"}}'`` (vLLM hashes ``additional_config`` into
 its compile cache key). Modes:
 
-- ``sketch`` (the default): non-flush reads from the sketch rows ``R_{:m} S_c`` and the buffer;
+- ``sketch`` (the default): non-flush reads from the sketch rows ``R_{:m} S_c`` and the buffer,
+  through the artifact's static maps or, for an adaptive sketch (``convert --sketch-map
+  adaptive``), through the map each flush makes for its checkpoint;
 - ``replay``: non-flush reads from the checkpoint's read copy and the buffer (exact);
 - ``standard``: vLLM's own decoding; the plugin leaves the model as vLLM builds it.
 
@@ -59,7 +61,8 @@ class ServeSettings:
     fp32: the decode steps run the float64 reference, as the transformers runtime buffers in its fp32
     compute dtype; on CUDA the artifact's ``traffic.buffer_dtype``, else bf16, as the runtime's triton
     backend buffers). ``device``: where the decode steps run, ``cpu`` or ``cuda``. ``map_rows``:
-    sketch rows M kept per head (the widest layer's, sketch mode; else 0).
+    sketch rows M kept per head (the widest layer's, sketch mode; else 0). ``adaptive``: sketch mode
+    reads the adaptive sketch (the artifact's ``sketch_map``).
     """
 
     architecture: str
@@ -78,6 +81,10 @@ class ServeSettings:
         if self.mode != "sketch":
             return 0
         return max(int(layer.coef.shape[1]) for layer in self.artifact.layers)
+
+    @property
+    def adaptive(self) -> bool:
+        return self.mode == "sketch" and self.artifact.sketch_map == "adaptive"
 
     def layer_entry(self, index: int) -> dict[str, Any]:
         """The ``sketch_config.layers`` entry of decoder layer ``index`` (heads, groups, key and value
@@ -165,11 +172,6 @@ def _check_artifact(art: SketchArtifact, family: str, model_dir: Path) -> None:
             f"{model_dir}: the sketch is for {art.config.get('family')} layers, the model has {family} "
             "layers; it belongs to another model, reconvert it"
         )
-    if art.sketch_map != "static":
-        raise SketchcalError(
-            f"{model_dir}: the sketch is adaptive and the vLLM plugin serves static sketches; convert "
-            "with --sketch-map static, or decode it with sketchcal's transformers runtime"
-        )
     try:
         check_fingerprint(art, model_dir, what=f"the sketch in {model_dir}")
     except SketchcalError:
@@ -239,6 +241,11 @@ def serve_settings(vllm_config: Any) -> ServeSettings | None:
     traffic = art.config.get("traffic", {})
     read_dtype = parse_dtype(traffic.get("read_dtype") or "fp32")
     buffer_dtype = buffer_dtype_for(None, torch.device(device), traffic.get("buffer_dtype"))
+    if options["mode"] == "sketch" and art.sketch_map == "adaptive" and read_dtype.itemsize == 1:
+        raise SketchcalError(
+            f"{model_dir}: the adaptive sketch keeps its maps in bf16 or fp32, the sketch's read dtype is "
+            f"{read_dtype}; reconvert with --read-dtype bf16"
+        )
     settings = ServeSettings(
         architecture=arch,
         family=family,
