@@ -13,8 +13,9 @@ For a head with frame R (its group's), rank m and rotated map ``P_rot`` [m, K]:
   sums, not a mean of ratios), each read weighted by its γ (1 without weights).
 - **measured adaptive** (the adaptive sketch, same windows and weights): the read
   ``Q (P_S u)`` of ``reference.adaptive_read``, with the factors ``reference.adaptive_factor``
-  makes of each checkpoint on the frame's first r rows, in place of the static map's read. No
-  moment formula predicts it (the map depends on the checkpoint), so it is measured only.
+  makes of each checkpoint on the frame's first r rows, in place of the static map's read (every
+  rank from one orthonormalisation per checkpoint: :func:`measured_adaptive_curve`). No moment
+  formula predicts it (the map depends on the checkpoint), so it is measured only.
 
 Dense (m = 0) is exact: error 0.
 """
@@ -25,7 +26,6 @@ import torch
 from torch import Tensor
 
 from sketchcal.fit.basis import read_error
-from sketchcal.kernels.common.reference import adaptive_factor, adaptive_read
 
 
 def predicted_curve(frame: Tensor, maps: dict[int, Tensor], e: Tensor, c: Tensor, ranks: list[int]) -> Tensor:
@@ -92,17 +92,45 @@ def measured_adaptive_curve(
 ) -> Tensor:
     """Measured relative read error of one head's adaptive sketch at each rank r of ``ranks`` on
     held-out windows (arguments as :func:`measured_curve`; the bases are the frame's first r rows).
-    Returns [len(ranks)] float64, NaN for every rank when the windows hold no (weighted) read energy."""
+    Returns [len(ranks)] float64, NaN for every rank when the windows hold no (weighted) read energy.
+
+    The read at rank r is ``Sᵀu`` projected onto span(Sᵀ R_{:r}ᵀ) (``reference.adaptive_factor`` /
+    ``adaptive_read``). These spans are nested in r, so one orthonormalisation of ``Sᵀ R_{:r_max}ᵀ``
+    per checkpoint, column by column in rank order (as the flush kernel's, :func:`_nested_basis`),
+    gives every rank's basis as its first r columns.
+    """
     s, u, exact, den = _weighted_reads(s, u, mask, gamma)
     out = torch.zeros(len(ranks), dtype=torch.float64)
     if den <= 0.0:
         return out.fill_(float("nan"))
-    for i, r in enumerate(ranks):
-        if r:
-            q, p = adaptive_factor(frame[:r].unsqueeze(0), s.unsqueeze(1))  # one head: [R, 1, ...]
-            diff = exact - adaptive_read(q, p, u.unsqueeze(2)).squeeze(2)
+    top = max(ranks)
+    if top == 0:
+        return out
+    m = torch.einsum("rkv,jk->rvj", s, frame[:top].to(torch.float64))  # Sᵀ R_{:top}ᵀ [R, V, top]
+    q = _nested_basis(m)
+    coeff = torch.einsum("rtv,rvj->rtj", exact, q)  # the read's coordinates on the columns
+    for i, rank in enumerate(ranks):
+        if rank:
+            diff = exact - torch.einsum("rtj,rvj->rtv", coeff[..., :rank], q[..., :rank])
             out[i] = float((diff * diff).sum()) / den
     return out
+
+
+def _nested_basis(m: Tensor) -> Tensor:
+    """[R, V, J] columns → [R, V, J] orthonormal columns whose first j span the first j of ``m``
+    (Gram–Schmidt, twice per column); a column whose part orthogonal to the ones before it is below
+    ``max(V, J)·ε`` of the largest column is dropped (a zero column), as ``reference.adaptive_factor``
+    drops such singular directions."""
+    q = torch.zeros_like(m)
+    tol = m.norm(dim=-2).amax(-1) * max(m.shape[-2:]) * torch.finfo(m.dtype).eps  # [R]
+    for j in range(m.shape[-1]):
+        col = m[..., j]
+        for _ in range(2):
+            col = col - torch.einsum("rvi,ri->rv", q[..., :j], torch.einsum("rvi,rv->ri", q[..., :j], col))
+        norm = col.norm(dim=-1)
+        keep = norm > tol
+        q[..., j] = torch.where(keep.unsqueeze(-1), col / torch.where(keep, norm, 1.0).unsqueeze(-1), 0.0)
+    return q
 
 
 def _weighted_reads(
