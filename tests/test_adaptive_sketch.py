@@ -199,6 +199,14 @@ def test_verify_sketch_map_option_is_checked(monkeypatch, capsys):
     assert "--sketch-map must be static or adaptive" in line
 
 
+def exact_of(s: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return torch.einsum("rkv,rtk->rtv", s, u)
+
+
+def den_of(s: torch.Tensor, u: torch.Tensor, w: torch.Tensor) -> float:
+    return float((w * (exact_of(s, u) ** 2).sum(-1)).sum())
+
+
 def test_measured_adaptive_curve_is_the_least_squares_projection_error():
     """The allocation's adaptive curve against least squares per window (``projected_read``): the
     γ-weighted relative error of Sᵀu projected onto span(Sᵀ R_{:r}ᵀ), masked reads left out."""
@@ -222,3 +230,12 @@ def test_measured_adaptive_curve_is_the_least_squares_projection_error():
     assert got[0] == 0 and got[1] > got[2] > got[3] > 0.01  # nested spans: error falls with r
     assert got[4] < 1e-20 and got[5] < 1e-20  # r ≥ V: span(Sᵀ R_{:r}ᵀ) is all of R^V, exact
     assert torch.isnan(measured_adaptive_curve(frame, s, u, torch.zeros_like(mask), ranks)).all()
+    # states whose key space misses the frame's second row: that column of Sᵀ R_{:r}ᵀ is zero, the
+    # next ones are not (what a basis fitted to other states meets); rank 2 then reads as rank 1
+    s = s - torch.einsum("k,j,rjv->rkv", frame[1], frame[1], s)
+    got = measured_adaptive_curve(frame, s, u, mask, ranks, gamma)
+    for i, r in enumerate(ranks[1:5], start=1):
+        approx = torch.stack([projected_read(s[j], frame[:r], u[j]) for j in range(n)])
+        want = float((w * ((approx - exact_of(s, u)) ** 2).sum(-1)).sum()) / den_of(s, u, w)
+        assert got[i] == pytest.approx(want, rel=1e-9, abs=1e-15), r
+    assert float(got[1]) == pytest.approx(float(got[2]), rel=1e-12) and got[3] < got[2]
