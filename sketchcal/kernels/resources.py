@@ -71,12 +71,16 @@ PTR = {
 }
 
 
-def _compile(fn, consts: dict, num_warps: int, maxnreg: int = 0, gluon: bool = False):
-    if not gluon:  # as launched on a Hopper device: programmatic dependent launch
+def _compile(
+    fn, consts: dict, num_warps: int, maxnreg: int = 0, gluon: bool = False, types: dict | None = None
+):
+    pdl = not gluon and "PDL" in fn.arg_names  # as launched on a Hopper device: dependent launch
+    if pdl:
         consts = dict(consts, PDL=True)
-    # ss_*: slot strides (int32)
+    # ss_*: slot strides (int32); ``types`` overrides PTR for this build
+    ptr = {**PTR, **(types or {})}
     sig = {
-        n: "constexpr" if n in consts else "i32" if n.startswith("ss_") else PTR.get(n, "*fp32")
+        n: "constexpr" if n in consts else "i32" if n.startswith("ss_") else ptr.get(n, "*fp32")
         for n in fn.arg_names
     }
     # as at a real launch: every pointer (torch allocations) and the strides are 16-divisible
@@ -87,17 +91,38 @@ def _compile(fn, consts: dict, num_warps: int, maxnreg: int = 0, gluon: bool = F
     }
     source = (GluonASTSource if gluon else ASTSource)(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     options = launch_options(num_warps, maxnreg)
-    if not gluon:
+    if pdl:
         options["launch_pdl"] = True
     return triton.compile(source, target=TARGET, options=options)
 
 
-def build(kernel: str, family: str, cfg: KernelConfig, sketch: bool = True, tokens: int = 1):
+LAYOUTS = ("dense", "paged", "adaptive", "adaptive_paged")
+
+
+def build(
+    kernel: str, family: str, cfg: KernelConfig | None, sketch: bool = True, tokens: int = 1,
+    layout: str = "dense",
+):  # fmt: skip
     """Compile the kernel of ``cfg.form`` that serves ``kernel`` (``standard``, ``read``,
-    ``split_group`` / ``split_heads`` (the two kernels of Mamba-2's split read) or ``flush``) at the
-    benchmark shape of ``family``; returns Triton's compiled kernel. ``tokens`` > 1: the standard
-    step or read over that many tokens (``spec_verify``)."""
+    ``split_group`` / ``split_heads`` (the two kernels of Mamba-2's split read), ``flush`` or
+    ``factor`` (the adaptive sketch's; ``cfg`` None: it has no launch config)) at the benchmark
+    shape of ``family``; returns Triton's compiled kernel. ``tokens`` > 1: the standard step or
+    read over that many tokens (``spec_verify``). ``layout`` (the reads, the sweep flush and the
+    factor kernel): the pool's, one of :data:`LAYOUTS` (``paged``: vLLM's pages, the checkpoint
+    value-major; ``adaptive``: the adaptive sketch's per-slot factors)."""
+    paged = layout in ("paged", "adaptive_paged")
+    adaptive = layout in ("adaptive", "adaptive_paged")
     s = MODEL_SHAPES[family]
+    if kernel == "factor":
+        from sketchcal.kernels.common import adaptive as AD
+
+        m = 32  # the benchmark's widest rank (two warps above 16 rows, as the launcher picks)
+        consts = dict(
+            K=s.key_dim, V=s.value_dim, M=m, MP=m, SM=m, BK=32, TOL=AD.TOL, PRECISION="tf32",
+            STATE_VM=paged,
+        )  # fmt: skip
+        bf16 = dict(sketch="*bf16", rows="*bf16", maps="*bf16")
+        return _compile(AD._factor_kernel, consts, 2, types=bf16)
     bv = clip_block_v(cfg.block_v, s.value_dim)
     dims = dict(H=s.heads, G=s.groups, K=s.key_dim, V=s.value_dim)
     common = dict(dims, BV=bv, FAMILY=FAMILY_ID[family], HAS_SKIP=family == "mamba2")
@@ -152,13 +177,13 @@ def build(kernel: str, family: str, cfg: KernelConfig, sketch: bool = True, toke
             M=32,
             SKETCH=sketch,
             LOG2_DECAY=family == "kda",
-            PAGED=False,
+            PAGED=paged,
             RD_VM=False,
-            SLOT_MAPS=False,
+            SLOT_MAPS=adaptive,
             **read.read_options(cfg, s.key_dim),
             **common,
         )
-        return _compile(read._read_kernel, consts, nw, cap)
+        return _compile(read._read_kernel, consts, nw, cap, types={"maps": "*bf16"} if adaptive else None)
     flags = dict(HAS_X=True, HAS_READ=True, ROWS=sketch, SKETCH_OUT=sketch, HAS_SKIP=family == "mamba2")
     terms = dict(SKETCH_TERMS=sketch_terms(torch.bfloat16))  # a bf16 sketch, as the benchmark's
     if cfg.form == "gluon_chunk":
@@ -180,8 +205,8 @@ def build(kernel: str, family: str, cfg: KernelConfig, sketch: bool = True, toke
     from sketchcal.kernels.common import flush
 
     prefetch = prefetch_enabled(cfg.prefetch)
-    layout = dict(PAGED=False, ST_VM=False, RD_VM=False)
-    consts = dict(common, C=16, **flags, VEC=cfg.vec, PREFETCH=prefetch, **layout)
+    strides = dict(PAGED=paged, ST_VM=paged, RD_VM=False)
+    consts = dict(common, C=16, **flags, VEC=cfg.vec, PREFETCH=prefetch, **strides)
     return _compile(flush._flush_kernel, consts, nw, cap)
 
 
@@ -211,28 +236,32 @@ def report(kernel: str, family: str, cfg: KernelConfig, sketch: bool = True) -> 
     )
 
 
-def builds() -> list[tuple[str, str, KernelConfig, bool, int]]:
+def builds() -> list[tuple[str, str, KernelConfig | None, bool, int, str]]:
     """Every launch the package can make at the benchmark shapes, without repeats: (kernel, family,
-    config, sketch mode, tokens). The defaults and every tuning candidate, in both modes; the reads
-    and the standard step also over 3 tokens, as ``spec_verify`` runs them."""
+    config, sketch mode, tokens, layout). The defaults and every tuning candidate, in both modes; the
+    reads and the standard step also over 3 tokens, as ``spec_verify`` runs them; the default reads,
+    the sweep flush and the factor kernel on the other layouts (vLLM's pages, the adaptive sketch)."""
     from sketchcal.kernels.bench import TUNE_CANDIDATES
 
-    out: list[tuple[str, str, KernelConfig, bool, int]] = []
+    out: list[tuple[str, str, KernelConfig | None, bool, int, str]] = []
     for family in ("gdn", "kda", "mamba2"):
         for tokens in (1, 3):
             for cfg in {default_config("standard", family), *TUNE_CANDIDATES["standard"][family]}:
-                out.append(("standard", family, cfg, False, tokens))
+                out.append(("standard", family, cfg, False, tokens, "dense"))
             for sketch in (False, True):
                 mode = "sketch" if sketch else "replay"
                 for cfg in {default_config(mode, family), *TUNE_CANDIDATES[mode][family]}:
-                    out.append(("read", family, cfg, sketch, tokens))
+                    out.append(("read", family, cfg, sketch, tokens, "dense"))
         if family == "mamba2":
             from sketchcal.kernels.bench import SPLIT_SHAPES
 
             parts = ("split_group", "split_heads")
             split = {default_config("sketch", family), *TUNE_CANDIDATES["sketch"][family], *SPLIT_SHAPES}
             out += [
-                (part, family, cfg, True, 1) for cfg in split if cfg.form == "split_read" for part in parts
+                (part, family, cfg, True, 1, "dense")
+                for cfg in split
+                if cfg.form == "split_read"
+                for part in parts
             ]
         for sketch in (False, True):
             kind = "flush_sketch" if sketch else "flush_replay"
@@ -240,7 +269,16 @@ def builds() -> list[tuple[str, str, KernelConfig, bool, int]]:
             # and the Triton kernels the Gluon ones fall back to
             flushes |= {replace(c, form="chunk") for c in flushes if c.form == "gluon_chunk"}
             flushes |= {SWEEP_FALLBACK for c in flushes if c.form == "gluon_sweep"}
-            out += [("flush", family, cfg, sketch, 1) for cfg in flushes]
+            out += [("flush", family, cfg, sketch, 1, "dense") for cfg in flushes]
+        # vLLM's pages (the forms that take slot strides) and the adaptive sketch (its factor kernel
+        # has no launch config)
+        replay_read = replace(default_config("replay", family), form="read")
+        sketch_read = replace(default_config("sketch", family), form="read")
+        for tokens in (1, 3):
+            out.append(("read", family, replay_read, False, tokens, "paged"))
+            out += [("read", family, sketch_read, True, tokens, layout) for layout in LAYOUTS[1:]]
+        out += [("flush", family, SWEEP_FALLBACK, sketch, 1, "paged") for sketch in (False, True)]
+        out += [("factor", family, None, True, 1, layout) for layout in ("dense", "paged")]
     return out
 
 
@@ -250,15 +288,16 @@ def check() -> int:
     compiler checks) without a GPU."""
     todo = builds()
     failed = 0
-    for kernel, family, cfg, sketch, tokens in todo:
+    for kernel, family, cfg, sketch, tokens, layout in todo:
         try:
-            build(kernel, family, cfg, sketch, tokens)
+            build(kernel, family, cfg, sketch, tokens, layout)
         except Exception as e:  # report every failing build, then exit non-zero
             failed += 1
             first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             mode = "sketch" if sketch else "replay"
             print(
-                f"FAILED {kernel} {family} {mode} tokens={tokens} {cfg}: {type(e).__name__}: {first}",
+                f"FAILED {kernel} {family} {mode} {layout} tokens={tokens} {cfg}: "
+                f"{type(e).__name__}: {first}",
                 flush=True,
             )
     print(f"{len(todo) - failed} of {len(todo)} builds compiled", flush=True)
