@@ -212,13 +212,13 @@ def _gdn_dir(tmp: Path, sketch_map: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def gdn_dir(tmp_path_factory) -> Path:
-    return _gdn_dir(tmp_path_factory.mktemp("gdn"), "static")
+def gdn_dirs(tmp_path_factory) -> dict[str, Path]:
+    """The converted model directory of each sketch map."""
+    return {m: _gdn_dir(tmp_path_factory.mktemp(f"gdn-{m}"), m) for m in ("static", "adaptive")}
 
 
-@pytest.fixture(scope="module")
-def gdn_adaptive_dir(tmp_path_factory) -> Path:
-    return _gdn_dir(tmp_path_factory.mktemp("gdn-adaptive"), "adaptive")
+def sketch_map_of(mode: str) -> str:
+    return "adaptive" if mode == "adaptive" else "static"
 
 
 def served_mode(mode: str) -> str:
@@ -227,12 +227,12 @@ def served_mode(mode: str) -> str:
 
 
 @pytest.mark.parametrize("mode", ["replay", "sketch", "adaptive"])
-def test_gdn_layer(gdn_dir, gdn_adaptive_dir, mode):
+def test_gdn_layer(gdn_dirs, mode):
     from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 
     use_served_layer("gdn")
     prefix = "model.layers.0.linear_attn"
-    model = gdn_adaptive_dir if mode == "adaptive" else gdn_dir
+    model = gdn_dirs[sketch_map_of(mode)]
     served_cfg, std_cfg = (
         engine_config(model, served_mode(mode), "bfloat16"),
         engine_config(model, "standard", "bfloat16"),
@@ -287,7 +287,7 @@ def test_gdn_layer(gdn_dir, gdn_adaptive_dir, mode):
     assert cursor[0] == 0 and not pool.buf_w[0].any()  # the null block was never written
 
 
-def test_gdn_cuda_decode_call_unpacks_the_packed_decode(gdn_dir):
+def test_gdn_cuda_decode_call_unpacks_the_packed_decode(gdn_dirs):
     """On CUDA vLLM makes the GDN decode call with q, k and v packed in one row per sequence
     (``fused_recurrent_gated_delta_rule_packed_decode``): the served layer's unpacking of it decodes
     what its CPU call (q, k, v apart) decodes, through a flush, on two layers with the same pages."""
@@ -296,7 +296,9 @@ def test_gdn_cuda_decode_call_unpacks_the_packed_decode(gdn_dir):
     from sketchcal.errors import SketchcalError
 
     use_served_layer("gdn")
-    cfgs = [engine_config(gdn_dir, "sketch", "bfloat16") for _ in range(2)]  # one per layer of one name
+    cfgs = [
+        engine_config(gdn_dirs["static"], "sketch", "bfloat16") for _ in range(2)
+    ]  # one per layer of one name
     prefix = "model.layers.0.linear_attn"
     split = build(QwenGatedDeltaNetAttention, cfgs[0], prefix)
     packed = build(QwenGatedDeltaNetAttention, cfgs[1], prefix, source=split)
@@ -390,13 +392,8 @@ def gather_stand_in(
 
 
 @pytest.fixture(scope="module")
-def kda_dir(tmp_path_factory) -> Path:
-    return _kda_dir(tmp_path_factory.mktemp("kda"), "static")
-
-
-@pytest.fixture(scope="module")
-def kda_adaptive_dir(tmp_path_factory) -> Path:
-    return _kda_dir(tmp_path_factory.mktemp("kda-adaptive"), "adaptive")
+def kda_dirs(tmp_path_factory) -> dict[str, Path]:
+    return {m: _kda_dir(tmp_path_factory.mktemp(f"kda-{m}"), m) for m in ("static", "adaptive")}
 
 
 def _kda_dir(tmp: Path, sketch_map: str) -> Path:
@@ -418,7 +415,7 @@ def _kda_dir(tmp: Path, sketch_map: str) -> Path:
 
 
 @pytest.mark.parametrize("mode", ["replay", "sketch", "adaptive"])
-def test_kda_layer(kda_dir, kda_adaptive_dir, mode, monkeypatch):
+def test_kda_layer(kda_dirs, mode, monkeypatch):
     from vllm.forward_context import set_forward_context
     from vllm.model_executor.layers.mamba.gdn import kimi_gdn_linear_attn
     from vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn import KimiGatedDeltaNetAttention
@@ -429,7 +426,7 @@ def test_kda_layer(kda_dir, kda_adaptive_dir, mode, monkeypatch):
     monkeypatch.setattr(vllm_kda, "chunk_kda_with_fused_gate", chunked_prefill_stand_in)
     monkeypatch.setattr(kimi_gdn_linear_attn, "gather_initial_states", gather_stand_in)
     prefix = "model.layers.0.self_attn"
-    cfg = engine_config(kda_adaptive_dir if mode == "adaptive" else kda_dir, served_mode(mode), "float32")
+    cfg = engine_config(kda_dirs[sketch_map_of(mode)], served_mode(mode), "float32")
     layer = build(KimiGatedDeltaNetAttention, cfg, prefix)
     finish(layer, cfg)
     assert layer.serving is not None and layer.serving.mode == served_mode(mode)
