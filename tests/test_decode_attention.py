@@ -47,6 +47,37 @@ def test_one_token_matches_brute_force(rep, mask_kind):
     torch.testing.assert_close(out.double(), _brute_force(q, k, v, mask, 0.3), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rep", [1, 2])
+def test_rows_at_their_own_positions(rep):
+    """Under ``row_positions`` a one-token call ignores the model's mask: row b attends to cache
+    positions ≤ positions[b]; a static cache layer patched by ``write_at_row_positions`` writes
+    each row's token at its own position and leaves the rest."""
+    gen = torch.Generator().manual_seed(7)
+    b, kv, t, d = 3, 2, 9, 8
+    positions = torch.tensor([0, 5, 8])
+    q = torch.randn(b, kv * rep, 1, d, generator=gen)
+    k, v = torch.randn(b, kv, t, d, generator=gen), torch.randn(b, kv, t, d, generator=gen)
+    wrong = torch.ones(b, 1, 1, t, dtype=torch.bool)  # the model's mask: everything
+    with attention.row_positions(positions):
+        out, _ = grouped_decode_attention(_Module(rep), q, k, v, wrong, scaling=0.4)
+    keep = (torch.arange(t)[None, :] <= positions[:, None]).view(b, 1, 1, t)
+    torch.testing.assert_close(out.double(), _brute_force(q, k, v, keep, 0.4), atol=1e-5, rtol=1e-5)
+
+    layer = type("Layer", (), {})()
+    layer.keys, layer.values = k.clone(), v.clone()
+    restore = attention.write_at_row_positions(type("Cache", (), {"layers": [layer]})(), positions)
+    new_k, new_v = torch.randn(b, kv, 1, d, generator=gen), torch.randn(b, kv, 1, d, generator=gen)
+    got_k, got_v = layer.update(new_k, new_v)
+    for row, pos in enumerate(positions.tolist()):
+        assert torch.equal(got_k[row, :, pos], new_k[row, :, 0]) and torch.equal(
+            got_v[row, :, pos], new_v[row, :, 0]
+        )
+        others = [j for j in range(t) if j != pos]
+        assert torch.equal(got_k[row][:, others], k[row][:, others])
+    restore()
+    assert not hasattr(layer, "update")
+
+
 def test_prefill_is_transformers_sdpa():
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

@@ -27,7 +27,7 @@ from synthetic_stats import write_synthetic_stats
 from sketchcal.artifact.convert import convert
 from sketchcal.artifact.sketch import SketchLayer, read_sketch
 from sketchcal.errors import SketchcalError
-from sketchcal.kernels.common import StepInputs
+from sketchcal.kernels.common import StepInputs, family, recurrence
 from sketchcal.models import describe, use_torch_path
 from sketchcal.runtime import Precision, enable, enabled, layer_tables, make_state
 from sketchcal.runtime.graph_decode import GraphDecoder
@@ -292,6 +292,43 @@ def test_graph_decoder_decodes_the_same_tokens(fam_model):
     check_graph_decoder(model, art, ids_for(model, 2, P + 3, 21), 2 * L + 3, L)
 
 
+def serve(model, prompts, counts, *args, **kw) -> list[torch.Tensor]:
+    """:meth:`GraphDecoder.serve` at batch 2 (eager off CUDA, CUDA graphs on it), with the model's
+    own decode (no ``args``) or in a runtime's mode."""
+    if not args:
+        return GraphDecoder(model).serve(prompts, counts, batch=2)
+    with enabled(model, *args, **kw):
+        return GraphDecoder(model).serve(prompts, counts, batch=2)
+
+
+def check_serve(model, art, window: int) -> None:
+    """A stream of prompts through two slots decodes what each prompt decodes alone: the model's own
+    decode and replay with sequences taking a slot at every window phase; sketch with every
+    sequence taking it at a window start (each takes 1 + a multiple of L tokens)."""
+    lengths = (3, 7, 5, 2, 6)
+    prompts = [ids_for(model, 1, n, 40 + n)[0] for n in lengths]
+    counts = [4, 2 * window + 3, 6, 1, 7]
+    alone = [generate(model, q[None], n)[0, q.numel() :] for q, n in zip(prompts, counts, strict=True)]
+    assert _equal(serve(model, prompts, counts), alone)
+    kw = dict(window=window, backend="triton", **EXACT)
+    assert _equal(serve(model, prompts, counts, art, "replay", **kw), alone)
+    counts = [window + 1, 2 * window + 1, 1, window + 1, 1]
+    sketch = [
+        generate(model, q[None], n, art, "sketch", **kw)[0].sequences[0, q.numel() :]
+        for q, n in zip(prompts, counts, strict=True)
+    ]
+    assert _equal(serve(model, prompts, counts, art, "sketch", **kw), sketch)
+
+
+def _equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
+    return len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_graph_decoder_serves_a_stream_of_prompts(fam_model):
+    _, model, _, art = fam_model
+    check_serve(model, art, L)
+
+
 def test_graph_decoder_keeps_the_state_in_the_pool_only(fam_model):
     """With a runtime the cache's recurrent tensors are released: the pool is the one copy."""
     from transformers import StaticCache
@@ -331,6 +368,24 @@ def test_graph_decoder_refusals():
         padded[0, 0] = 0
         with pytest.raises(SketchcalError, match="without padding"):
             GraphDecoder(model, graphs=False).generate(ids, 2, attention_mask=padded)
+    prompt = ids_for(model, 1, 4, 0)[0]
+    bad = [
+        (([], 2), "at least one prompt"),
+        (([prompt], [2, 3]), "one max_new_tokens per prompt"),
+        (([prompt[None]], 2), "1-D tensor"),
+        (([prompt[:0]], 2), "at least one token"),
+        (([prompt], 0), "at least 1"),
+    ]
+    for (prompts, counts), says in bad:
+        with pytest.raises(SketchcalError, match=says) as err:
+            GraphDecoder(model, graphs=False).serve(prompts, counts, batch=2)
+        assert "\n" not in str(err.value)
+    model.set_attn_implementation("eager")
+    try:
+        with pytest.raises(SketchcalError, match="attn_implementation='sdpa'"):
+            GraphDecoder(model, graphs=False).serve([prompt], 2, batch=1)
+    finally:
+        model.set_attn_implementation("sdpa")
 
 
 # ---- speculative drafts: kernel states against reference states (no model) ----------------------
@@ -374,6 +429,57 @@ def cat_tokens(a: StepInputs, b: StepInputs) -> StepInputs:
             for n in ("k", "q", "w", "decay", "beta", "skip")
         }
     )
+
+
+def neutral_tokens(x: StepInputs) -> StepInputs:
+    """Tokens shaped as ``x``'s that leave a state as it is: no key, query or value, decay 1, β 0."""
+    return StepInputs(
+        **{n: None if getattr(x, n) is None else torch.full_like(getattr(x, n), 1.0 if n == "decay" else 0.0)
+           for n in ("k", "q", "w", "decay", "beta", "skip")}
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("fam", "mode", "sketch_map"),
+    [("gdn", "replay", "static"), ("kda", "sketch", "static"), ("mamba2", "sketch", "adaptive"),
+     ("gdn", "standard", "static")],
+)  # fmt: skip
+def test_adopt_makes_a_row_the_lone_sequence_mid_window(fam, mode, sketch_map):
+    """A batch of two rows, ``p`` tokens into its window, adopts a lone sequence into row 1 (the
+    graph decoder's slot replacement), on the reference and the kernel states alike: row 1 then
+    decodes what the lone sequence decodes after ``p`` tokens that leave its state as it is (replay
+    and standard: what the float64 recurrence gives from its state), row 0 what it decodes without
+    the adoption."""
+    h, g, k, p = 4, 2, 16, 2
+    seed = {"gdn": 4, "mamba2": 5, "kda": 6}[fam]
+    x_pre, x = grouped_inputs(fam, p, seed), grouped_inputs(fam, 2 * L + 1, seed + 10)
+    gen = torch.Generator().manual_seed(seed)
+    s0, s_lone = (0.3 * torch.randn(b, h, k, k, generator=gen).to(DEVICE) for b in (2, 1))
+    layer = sketch_layer(h, g, k, [0, 4, 8, 12])
+    sketch, adaptive = mode == "sketch", sketch_map == "adaptive"
+    ref_tables = layer_tables(layer, family=fam, heads=h, key_dim=k, device=DEVICE) if sketch else None
+    tables = kernel_tables(layer, fam, heads=h, key_dim=k, device=DEVICE) if sketch else None
+
+    def states(s: torch.Tensor) -> tuple:
+        ref = make_state(mode, fam, s, window=L, tables=ref_tables, sketch_map=sketch_map)
+        kernel = make_kernel_state(
+            mode, fam, s, groups=g, window=L, tables=ref_tables if adaptive else tables, adaptive=adaptive
+        )
+        return ref, kernel
+
+    row1 = x.map(lambda t: t[1:2])
+    exact, _ = recurrence(family(fam), row1.to(torch.float64), s_lone.double())
+    for batch, control, lone in zip(states(s0), states(s0), states(s_lone), strict=True):
+        batch.step(x_pre)
+        control.step(x_pre)
+        batch.adopt(1, lone, p)
+        got, want0 = batch.step(x), control.step(x)
+        assert rel_max(got[0], want0[0]) <= 1e-6
+        lone.step(neutral_tokens(x_pre.map(lambda t: t[:1])))
+        want1 = lone.step(row1)
+        assert rel_max(got[1], want1[0]) <= 1e-5
+        if not sketch:
+            assert rel_max(got[1], exact[0]) <= 1e-5
 
 
 @pytest.mark.parametrize(
@@ -573,3 +679,26 @@ def test_demo_model_graph_decoder_gpu(demo):
     model, art = demo
     window = int(art.config["window"])
     check_graph_decoder(model, art, ids_for(model, GPU_BATCH, P + window, 14), GPU_NEW, window)
+
+
+@pytest.mark.gpu
+def test_demo_model_serves_a_stream_of_prompts_gpu(demo):
+    """CUDA graphs over 8 slots, 24 prompts of 4 to 40 tokens, 5 to 70 new tokens each (replacements
+    at every window phase): replay's tokens are those the model's own decode gives each prompt alone
+    (in the graph decoder's lock-step batches of one), sketch's those of the same slots run eagerly."""
+    model, art = demo
+    window = int(art.config["window"])
+    gen = torch.Generator().manual_seed(17)
+    lengths = torch.randint(4, 41, (24,), generator=gen).tolist()
+    counts = torch.randint(5, 71, (24,), generator=gen).tolist()
+    prompts = [ids_for(model, 1, n, 200 + i)[0] for i, n in enumerate(lengths)]
+    alone = [
+        GraphDecoder(model).generate(q[None], n)[0, q.numel() :] for q, n in zip(prompts, counts, strict=True)
+    ]
+    kw = dict(window=window, backend="triton")
+    with enabled(model, art, "replay", **kw, **EXACT):  # fp32 buffers: replay is then exact
+        assert _equal(GraphDecoder(model).serve(prompts, counts, batch=8), alone)
+    with enabled(model, art, "sketch", **kw):
+        graphs = GraphDecoder(model).serve(prompts, counts, batch=8)
+        eager = GraphDecoder(model, graphs=False).serve(prompts, counts, batch=8)
+    assert _equal(graphs, eager)

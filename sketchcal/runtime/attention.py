@@ -9,18 +9,24 @@ positions" of Hkv heads ([B, Hkv, rep, D]), and SDPA reads each key and value on
 
 :func:`grouped_decode_attention` does that for one-token calls and hands every other call to
 transformers' SDPA function unchanged; :func:`decode_attention` switches a model to it for a block.
+
+Rows at their own positions (:func:`row_positions`, the graph decoder's slots): each row of a
+batch writes its new key and value at its own position ``positions[b]`` of a static cache
+(:func:`write_at_row_positions`) and attends to its positions ``≤ positions[b]``, in place of the
+model's mask, which assumes one position for the whole batch.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 NAME = "sketchcal_grouped_decode"
+_ROW_POSITIONS: Tensor | None = None  # set by row_positions(): [B] int64, each row's query position
 
 
 def grouped_decode_attention(
@@ -41,6 +47,9 @@ def grouped_decode_attention(
     batch, q_heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
     rep = q_heads // kv_heads
+    if _ROW_POSITIONS is not None and q_len == 1:  # each row up to its own position
+        keys = torch.arange(key.shape[2], device=key.device)
+        attention_mask = (keys[None, :] <= _ROW_POSITIONS[:, None]).view(batch, 1, 1, -1)
     plain = q_len != 1 or rep == 1 or dropout > 0 or kwargs.get("s_aux") is not None
     if plain or kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
         return sdpa_attention_forward(
@@ -82,3 +91,45 @@ def decode_attention(model: nn.Module) -> Iterator[bool]:
         yield True
     finally:
         model.set_attn_implementation(before)
+
+
+@contextlib.contextmanager
+def row_positions(positions: Tensor) -> Iterator[None]:
+    """Inside, one-token calls of :func:`grouped_decode_attention` let row b attend to cache
+    positions ``≤ positions[b]`` ([B] int64, read when the call runs: a CUDA graph captured inside
+    reads the tensor's current values at each replay)."""
+    global _ROW_POSITIONS
+    before, _ROW_POSITIONS = _ROW_POSITIONS, positions
+    try:
+        yield
+    finally:
+        _ROW_POSITIONS = before
+
+
+def write_at_row_positions(cache: Any, positions: Tensor) -> Callable[[], None]:
+    """Make the static attention layers of ``cache`` (initialised by a prefill) write a one-token
+    update of row b at position ``positions[b]`` ([B] int64) instead of one position for all rows;
+    returns the function that restores them. Layers without static keys and values (recurrent
+    ones) are left alone."""
+    patched = []
+    for layer in getattr(cache, "layers", []):
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if not (isinstance(keys, Tensor) and isinstance(values, Tensor) and keys.ndim == 4):
+            continue
+
+        def update(k: Tensor, v: Tensor, *args: Any, _keys=keys, _values=values, **kwargs: Any):
+            if k.shape[-2] != 1:
+                raise ValueError("a cache written at row positions takes one token per call")
+            for store, new in ((_keys, k), (_values, v)):
+                at = positions.view(-1, 1, 1, 1).expand(-1, store.shape[1], 1, store.shape[-1])
+                store.scatter_(2, at, new.to(store.dtype))
+            return _keys, _values
+
+        layer.update = update
+        patched.append(layer)
+
+    def restore() -> None:
+        for layer in patched:
+            del layer.update
+
+    return restore

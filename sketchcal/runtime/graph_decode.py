@@ -20,20 +20,27 @@ decoder runs: the runtime stops mirroring checkpoints into the cache (which woul
 once per flush, or every step in ``standard`` mode) and the cache's recurrent tensors are replaced
 by empty placeholders, so a decoded batch holds its states once and no modeling code copies them.
 
-Batches are lock-step: every row is one sequence, prefilled together (no padding) and decoded for
-the same number of tokens.
+:meth:`GraphDecoder.generate` decodes a lock-step batch: every row is one sequence, prefilled
+together (no padding) and decoded for the same number of tokens. :meth:`GraphDecoder.serve` decodes
+a stream of prompts in ``batch`` slots: each prompt is prefilled on its own and copied into a free
+slot (its keys and values, conv states and recurrent states: :meth:`Runtime.adopt`), every row
+writes and attends at its own position (``attention.row_positions``), and when a sequence has its
+tokens the next prompt takes its slot between two steps. A sequence that takes a slot in the middle
+of a window joins that window where it stands (its buffered tokens read as nothing), so replay
+decodes exactly what a lone sequence decodes, and sketch mode does when it joins at a window start.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from sketchcal.errors import SketchcalError
-from sketchcal.runtime.attention import decode_attention
+from sketchcal.runtime.attention import decode_attention, row_positions, write_at_row_positions
 from sketchcal.runtime.patch import Runtime, runtime_of
 
 
@@ -142,8 +149,118 @@ class GraphDecoder:
         self.last_times = DecodeTimes(prefill_s, warmup_s, capture_s, decode_s, steps - eager)
         return torch.cat([ids, out], dim=1)
 
-    def _forward(self, ids: Tensor, cache) -> Tensor:
-        return self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    @torch.no_grad()
+    def serve(
+        self, prompts: Sequence[Tensor], max_new_tokens: int | Sequence[int], *, batch: int
+    ) -> list[Tensor]:
+        """Greedy continuations of ``prompts`` (1-D token ids each, any lengths), ``batch`` sequences
+        decoded at a time; a prompt takes a slot as soon as one is free. ``max_new_tokens``: for every
+        prompt, or one per prompt (no stop tokens). Returns each prompt's new tokens [N_i], in the
+        order given: the tokens ``generate()`` gives that prompt alone, in ``replay`` and
+        ``standard`` mode (see the module docstring for ``sketch``).
+
+        Raises:
+            SketchcalError: no prompts, an empty or batched prompt, a count below 1, or a model whose
+                attention is not SDPA (the rows' own masks come with the decode attention).
+        """
+        from transformers import StaticCache
+
+        counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        if not prompts or len(counts) != len(prompts):
+            raise SketchcalError("serve needs at least one prompt and one max_new_tokens per prompt")
+        if any(p.ndim != 1 or p.numel() < 1 for p in prompts):
+            raise SketchcalError("each prompt must be a 1-D tensor of at least one token id")
+        if min(counts) < 1 or batch < 1:
+            raise SketchcalError("max_new_tokens and batch must be at least 1")
+        length = max(p.numel() + n for p, n in zip(prompts, counts, strict=True))
+        cache = StaticCache(config=self.model.config, max_cache_len=length)
+        mirror = self.runtime.mirror_cache if self.runtime is not None else None
+        if self.runtime is not None:
+            self.runtime.mirror_cache = False
+        with decode_attention(self.model) as grouped:
+            if not grouped:
+                raise SketchcalError(
+                    "serve needs the model's SDPA attention (load it with attn_implementation='sdpa')"
+                )
+            try:
+                return self._serve(cache, [p.to(self.device) for p in prompts], counts, batch, length)
+            finally:
+                if self.runtime is not None:
+                    self.runtime.mirror_cache = mirror
+
+    def _serve(
+        self, cache, prompts: list[Tensor], counts: list[int], batch: int, length: int
+    ) -> list[Tensor]:
+        from transformers import StaticCache
+
+        # lay out the batch's cache and states with a one-token prefill; every row is then replaced
+        self._forward(prompts[0][:1].expand(batch, 1), cache)
+        if self.release_cache:
+            _release_recurrent_tensors(cache)
+        positions = torch.zeros(batch, dtype=torch.long, device=self.device)  # each row's next position
+        restore = write_at_row_positions(cache, positions)
+        token = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
+        live = torch.zeros(batch, dtype=torch.long, device=self.device)
+        queue = deque(range(len(prompts)))
+        first: dict[int, Tensor] = {}
+        spans: dict[int, tuple[int, int, int]] = {}  # request → (row, first step, end step)
+        row_request, row_left, row_from = [-1] * batch, [0] * batch, [0] * batch
+        log: list[Tensor] = []  # each step's tokens [B]
+
+        def take(row: int) -> None:
+            """Give ``row`` to the next prompt (prefilled on its own), or leave it idle."""
+            while queue:
+                r = queue.popleft()
+                donor = StaticCache(config=self.model.config, max_cache_len=length)
+                first[r] = self._forward(prompts[r][None], donor)[0, -1].argmax(-1, keepdim=True)
+                if counts[r] == 1:
+                    spans[r] = (row, len(log), len(log))
+                    continue
+                _copy_row(cache, row, donor)
+                if self.runtime is not None:
+                    self.runtime.adopt(cache, row, donor, buffered=len(log) % self.phases)
+                token[row] = first[r]
+                positions[row] = prompts[r].numel()
+                live[row] = 1
+                row_request[row], row_left[row], row_from[row] = r, counts[r] - 1, len(log)
+                return
+            live[row], row_request[row] = 0, -1
+
+        def step() -> None:
+            with row_positions(positions):
+                logits = self._forward(token, cache, position_ids=positions[:, None])
+            token.copy_(logits[:, -1].argmax(-1, keepdim=True))
+            positions.add_(live)
+
+        try:
+            for row in range(batch):
+                take(row)
+            graphs: list[torch.cuda.CUDAGraph] = []
+            while any(r >= 0 for r in row_request):
+                if graphs:
+                    graphs[len(log) % self.phases].replay()
+                elif self.graphs and len(log) == self.phases:  # the first window ran eagerly
+                    graphs = self._capture(step)
+                    graphs[0].replay()
+                else:
+                    step()
+                log.append(token[:, 0].clone())
+                for row, r in enumerate(row_request):
+                    if r < 0:
+                        continue
+                    row_left[row] -= 1
+                    if row_left[row] == 0:
+                        spans[r] = (row, row_from[row], len(log))
+                        take(row)
+        finally:
+            restore()
+        steps = torch.stack(log) if log else token.new_zeros(0, batch)
+        return [torch.cat([first[r], steps[a:b, row]]) for r, (row, a, b) in sorted(spans.items())]
+
+    def _forward(self, ids: Tensor, cache, **kwargs) -> Tensor:
+        return self.model(
+            input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **kwargs
+        ).logits
 
     def _capture(self, step: Callable[[], None]) -> list[torch.cuda.CUDAGraph]:
         """One graph per window phase, captured in window order into one memory pool."""
@@ -156,6 +273,24 @@ class GraphDecoder:
                 step()
             graphs.append(g)
         return graphs
+
+
+def _copy_row(cache, row: int, donor) -> None:
+    """Row ``row`` of every per-sequence tensor of ``cache`` (keys, values, conv and recurrent states)
+    from row 0 of ``donor``'s (a cache of one sequence); placeholders (a runtime's pool holds the
+    recurrent states) are left alone."""
+    for mine, theirs in zip(getattr(cache, "layers", []), getattr(donor, "layers", []), strict=True):
+        for name in ("keys", "values", "conv_states", "recurrent_states"):
+            a, b = getattr(mine, name, None), getattr(theirs, name, None)
+            pairs = zip(a.values(), b.values(), strict=True) if isinstance(a, dict) else [(a, b)]
+            for t, src in pairs:
+                if (
+                    isinstance(t, Tensor)
+                    and isinstance(src, Tensor)
+                    and t.numel()
+                    and t.shape[1:] == src.shape[1:]
+                ):
+                    t[row] = src[0]
 
 
 def _release_recurrent_tensors(cache) -> None:

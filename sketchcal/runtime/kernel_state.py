@@ -225,6 +225,10 @@ class KernelStandardState:
         """The current state [B, H, K, V] fp32 (a view: the pool may store it value-major)."""
         return self.pool.state
 
+    def adopt(self, slot: int, donor: KernelState, buffered: int = 0) -> None:
+        """Make row ``slot`` the sequence of ``donor`` (a state of one sequence)."""
+        self.pool.state[slot] = donor.state()[0]
+
 
 class KernelWindowState:
     """ReplaySSM (``tables`` None) or SketchSSM state of a batch in a window pool, flushed every L tokens."""
@@ -387,6 +391,20 @@ class KernelWindowState:
         else:
             self.pos = p
         self._drafted, self._crossed = 0, False
+
+    def adopt(self, slot: int, donor: KernelState, buffered: int) -> None:
+        """Make row ``slot`` the sequence of ``donor`` (a state of one sequence), ``buffered`` tokens
+        into this batch's window: the donor's exact state becomes the row's checkpoint (its read copy,
+        sketch and adaptive factors written by a flush of that row alone), and the row's buffered
+        tokens become ones that leave it as it is (``DecodePool.neutral_buffer``), so its first
+        window ends with the batch's."""
+        self.pool.state[slot] = donor.state()[0]
+        self.pool.neutral_buffer(slot, buffered)
+        slots = torch.where(self.slots == slot, self.slots, -1)
+        flush(
+            self.family, self.pool, slots, torch.zeros_like(slots), tables=self.tables,
+            adaptive=self._factors_of(self.pool),
+        )  # fmt: skip
 
     def state(self) -> Tensor:
         """The exact current state [B, H, K, V] fp32: the buffer folded into a copy of the pool."""

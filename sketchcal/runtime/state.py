@@ -118,6 +118,10 @@ class StandardState:
         """The current state [B, H, K, V] as stored."""
         return self.s
 
+    def adopt(self, slot: int, donor: StandardState, buffered: int = 0) -> None:
+        """Make row ``slot`` the sequence of ``donor`` (a state of one sequence)."""
+        self.s[slot] = donor.state()[0].to(self.s.dtype)
+
 
 @dataclass
 class Checkpoint:
@@ -288,6 +292,25 @@ class WindowState:
             self.accept(n)
             start += n
         return torch.cat(outs, dim=1)
+
+    def adopt(self, slot: int, donor: DecodeState, buffered: int) -> None:
+        """Make row ``slot`` the sequence of ``donor`` (a state of one sequence), ``buffered`` tokens
+        into this batch's window (its :attr:`pos`): the donor's exact state becomes the row's
+        checkpoint, and the row's buffered tokens become ones that leave it as it is, so its first
+        window ends with the batch's."""
+        new = self._make_checkpoint(donor.state()[:1].to(self.precision.compute_dtype))
+        for old, fresh in ((self.ckpt.state, new.state), (self.ckpt.read_copy, new.read_copy)):
+            if old is not None:
+                old[slot] = fresh[0]
+        if isinstance(self.ckpt.sketch, tuple):
+            for old, fresh in zip(self.ckpt.sketch, new.sketch, strict=True):
+                old[slot] = fresh[0]
+        elif self.ckpt.sketch is not None:
+            self.ckpt.sketch[slot] = new.sketch[0]
+        if self._buf is not None and buffered > 0:
+            for name, value in (("k", 0.0), ("w", 0.0), ("decay", 1.0), ("beta", 0.0)):
+                if self._buf[name] is not None:
+                    self._buf[name][slot, :buffered] = value
 
     def state(self) -> Tensor:
         """The exact current state [B, H, K, V] (compute dtype), materialised for checks."""

@@ -124,6 +124,18 @@ class DecodePool:
         ws = None if self.workspace is None else torch.zeros_like(self.workspace)
         return DecodePool(**{name: t.clone() for name, t in self.tensors().items()}, workspace=ws)
 
+    def neutral_buffer(self, slot: int, n: int) -> None:
+        """Make the first ``n`` buffered tokens of ``slot`` tokens that leave a state as it is (no key,
+        no value, decay 1, β 0): a sequence that takes the slot in the middle of a window reads and
+        folds them as nothing, so it joins the other slots' window where it stands."""
+        if n <= 0:
+            return
+        for t in (self.buf_k, self.buf_w, self.buf_beta, self.buf_logdecay):
+            if t is not None:
+                t[slot, :, :n] = 0
+        if self.buf_decay is not None:
+            self.buf_decay[slot, :, :n] = 1
+
 
 _STATE_FIELDS = tuple(f.name for f in fields(DecodePool) if f.name != "workspace")
 
