@@ -257,6 +257,10 @@ def check_public(model, prompt, new: int) -> None:
     assert torch.equal(out.sequences, plain)
     assert states and all(type(s).__name__ == "PublicStandardState" for s in states.values())
     assert torch.equal(graph_generate(model, prompt, new, None, "standard", backend="public"), plain)
+    rows = [prompt[0, :3], prompt[1], prompt[0, :5]]  # a stream through two slots, as check_serve's
+    counts = [4, new, 3]
+    alone = [generate(model, q[None], n)[0, q.numel() :] for q, n in zip(rows, counts, strict=True)]
+    assert _equal(serve(model, rows, counts, None, "standard", backend="public"), alone)
 
 
 def public_or_skip(fam: str) -> None:
