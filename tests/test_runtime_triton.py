@@ -314,6 +314,11 @@ def check_serve(model, art, window: int) -> None:
     counts = [4, 2 * window + 3, 6, 1, 7]
     alone = [generate(model, q[None], n)[0, q.numel() :] for q, n in zip(prompts, counts, strict=True)]
     assert _equal(serve(model, prompts, counts), alone)
+    # stop tokens: a sequence ends at its first one (kept), and its slot goes to the next prompt
+    stop = {int(alone[1][2]), int(alone[4][0])}
+    cut = [a[: next((i + 1 for i, t in enumerate(a.tolist()) if t in stop), a.numel())] for a in alone]
+    assert any(c.numel() < a.numel() for c, a in zip(cut, alone, strict=True))
+    assert _equal(GraphDecoder(model).serve(prompts, counts, batch=2, stop_tokens=stop), cut)
     kw = dict(window=window, backend="triton", **EXACT)
     assert _equal(serve(model, prompts, counts, art, "replay", **kw), alone)
     counts = [window + 1, 2 * window + 1, 1, window + 1, 1]

@@ -25,7 +25,7 @@ together (no padding) and decoded for the same number of tokens. :meth:`GraphDec
 a stream of prompts in ``batch`` slots: each prompt is prefilled on its own and copied into a free
 slot (its keys and values, conv states and recurrent states: :meth:`Runtime.adopt`), every row
 writes and attends at its own position (``attention.row_positions``), and when a sequence has its
-tokens the next prompt takes its slot between two steps. A sequence that takes a slot in the middle
+tokens (or a stop token) the next prompt takes its slot between two steps. A sequence that takes a slot in the middle
 of a window joins that window where it stands (its buffered tokens read as nothing), so replay
 decodes exactly what a lone sequence decodes, and sketch mode does when it joins at a window start.
 """
@@ -151,13 +151,19 @@ class GraphDecoder:
 
     @torch.no_grad()
     def serve(
-        self, prompts: Sequence[Tensor], max_new_tokens: int | Sequence[int], *, batch: int
+        self,
+        prompts: Sequence[Tensor],
+        max_new_tokens: int | Sequence[int],
+        *,
+        batch: int,
+        stop_tokens: Sequence[int] = (),
     ) -> list[Tensor]:
         """Greedy continuations of ``prompts`` (1-D token ids each, any lengths), ``batch`` sequences
-        decoded at a time; a prompt takes a slot as soon as one is free. ``max_new_tokens``: for every
-        prompt, or one per prompt (no stop tokens). Returns each prompt's new tokens [N_i], in the
-        order given: the tokens ``generate()`` gives that prompt alone, in ``replay`` and
-        ``standard`` mode (see the module docstring for ``sketch``).
+        decoded at a time; a prompt takes a slot as soon as one is free. A sequence ends after
+        ``max_new_tokens`` (for every prompt, or one per prompt) or at its first token in
+        ``stop_tokens`` (kept; with stop tokens the host reads each step's tokens, one sync per step).
+        Returns each prompt's new tokens, in the order given: what ``generate()`` gives that prompt
+        alone, in ``replay`` and ``standard`` mode (see the module docstring for ``sketch``).
 
         Raises:
             SketchcalError: no prompts, an empty or batched prompt, a count below 1, or a model whose
@@ -183,79 +189,11 @@ class GraphDecoder:
                     "serve needs the model's SDPA attention (load it with attn_implementation='sdpa')"
                 )
             try:
-                return self._serve(cache, [p.to(self.device) for p in prompts], counts, batch, length)
+                on_device = [p.to(self.device) for p in prompts]
+                return _Slots(self, cache, length, on_device, counts, batch, set(stop_tokens)).run()
             finally:
                 if self.runtime is not None:
                     self.runtime.mirror_cache = mirror
-
-    def _serve(
-        self, cache, prompts: list[Tensor], counts: list[int], batch: int, length: int
-    ) -> list[Tensor]:
-        from transformers import StaticCache
-
-        # lay out the batch's cache and states with a one-token prefill; every row is then replaced
-        self._forward(prompts[0][:1].expand(batch, 1), cache)
-        if self.release_cache:
-            _release_recurrent_tensors(cache)
-        positions = torch.zeros(batch, dtype=torch.long, device=self.device)  # each row's next position
-        restore = write_at_row_positions(cache, positions)
-        token = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
-        live = torch.zeros(batch, dtype=torch.long, device=self.device)
-        queue = deque(range(len(prompts)))
-        first: dict[int, Tensor] = {}
-        spans: dict[int, tuple[int, int, int]] = {}  # request → (row, first step, end step)
-        row_request, row_left, row_from = [-1] * batch, [0] * batch, [0] * batch
-        log: list[Tensor] = []  # each step's tokens [B]
-
-        def take(row: int) -> None:
-            """Give ``row`` to the next prompt (prefilled on its own), or leave it idle."""
-            while queue:
-                r = queue.popleft()
-                donor = StaticCache(config=self.model.config, max_cache_len=length)
-                first[r] = self._forward(prompts[r][None], donor)[0, -1].argmax(-1, keepdim=True)
-                if counts[r] == 1:
-                    spans[r] = (row, len(log), len(log))
-                    continue
-                _copy_row(cache, row, donor)
-                if self.runtime is not None:
-                    self.runtime.adopt(cache, row, donor, buffered=len(log) % self.phases)
-                token[row] = first[r]
-                positions[row] = prompts[r].numel()
-                live[row] = 1
-                row_request[row], row_left[row], row_from[row] = r, counts[r] - 1, len(log)
-                return
-            live[row], row_request[row] = 0, -1
-
-        def step() -> None:
-            with row_positions(positions):
-                logits = self._forward(token, cache, position_ids=positions[:, None])
-            token.copy_(logits[:, -1].argmax(-1, keepdim=True))
-            positions.add_(live)
-
-        try:
-            for row in range(batch):
-                take(row)
-            graphs: list[torch.cuda.CUDAGraph] = []
-            while any(r >= 0 for r in row_request):
-                if graphs:
-                    graphs[len(log) % self.phases].replay()
-                elif self.graphs and len(log) == self.phases:  # the first window ran eagerly
-                    graphs = self._capture(step)
-                    graphs[0].replay()
-                else:
-                    step()
-                log.append(token[:, 0].clone())
-                for row, r in enumerate(row_request):
-                    if r < 0:
-                        continue
-                    row_left[row] -= 1
-                    if row_left[row] == 0:
-                        spans[r] = (row, row_from[row], len(log))
-                        take(row)
-        finally:
-            restore()
-        steps = torch.stack(log) if log else token.new_zeros(0, batch)
-        return [torch.cat([first[r], steps[a:b, row]]) for r, (row, a, b) in sorted(spans.items())]
 
     def _forward(self, ids: Tensor, cache, **kwargs) -> Tensor:
         return self.model(
@@ -273,6 +211,96 @@ class GraphDecoder:
                 step()
             graphs.append(g)
         return graphs
+
+
+class _Slots:
+    """The slots of one :meth:`GraphDecoder.serve`: which prompt each row decodes, and the loop.
+
+    Device tensors the steps read (a CUDA graph replays them): ``token`` [B, 1] the last token of
+    each row, ``positions`` [B] the position its next token takes, ``live`` [B] 1 where a row decodes
+    a prompt (an idle row repeats its position). Host bookkeeping: the prompt of each row, the
+    tokens it still has, the step its tokens start at; ``log`` keeps every step's tokens [B].
+    """
+
+    def __init__(self, decoder: GraphDecoder, cache, length: int, prompts: list[Tensor], counts: list[int],
+                 batch: int, stop: set[int]):  # fmt: skip
+        self.decoder, self.cache, self.length = decoder, cache, length  # (the caches' positions)
+        self.prompts, self.counts, self.stop = prompts, counts, stop
+        dev = decoder.device
+        self.token = torch.zeros(batch, 1, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(batch, dtype=torch.long, device=dev)
+        self.live = torch.zeros(batch, dtype=torch.long, device=dev)
+        self.queue = deque(range(len(prompts)))
+        self.first: dict[int, Tensor] = {}  # prompt → its first new token (from its prefill) [1]
+        self.spans: dict[int, tuple[int, int, int]] = {}  # prompt → (row, first step, end step)
+        self.request, self.left, self.since = [-1] * batch, [0] * batch, [0] * batch
+        self.log: list[Tensor] = []
+
+    def run(self) -> list[Tensor]:
+        dec, batch = self.decoder, self.token.shape[0]
+        # lay out the batch's cache and states with a one-token prefill; every row is then replaced
+        dec._forward(self.prompts[0][:1].expand(batch, 1), self.cache)
+        if dec.release_cache:
+            _release_recurrent_tensors(self.cache)
+        restore = write_at_row_positions(self.cache, self.positions)
+        try:
+            for row in range(batch):
+                self.take(row)
+            graphs: list[torch.cuda.CUDAGraph] = []
+            while any(r >= 0 for r in self.request):
+                if graphs:
+                    graphs[len(self.log) % dec.phases].replay()
+                elif dec.graphs and len(self.log) == dec.phases:  # the first window ran eagerly
+                    graphs = dec._capture(self.step)
+                    graphs[0].replay()
+                else:
+                    self.step()
+                self.log.append(self.token[:, 0].clone())
+                self.retire()
+        finally:
+            restore()
+        steps = torch.stack(self.log) if self.log else self.token.new_zeros(0, batch)
+        return [torch.cat([self.first[r], steps[a:b, row]]) for r, (row, a, b) in sorted(self.spans.items())]
+
+    def step(self) -> None:
+        """One token for every row, each at its own position (what a graph captures)."""
+        with row_positions(self.positions):
+            logits = self.decoder._forward(self.token, self.cache, position_ids=self.positions[:, None])
+        self.token.copy_(logits[:, -1].argmax(-1, keepdim=True))
+        self.positions.add_(self.live)
+
+    def retire(self) -> None:
+        """Rows whose sequence has its tokens (or a stop token) go to the next prompts."""
+        tokens = self.log[-1].tolist() if self.stop else None
+        for row, r in enumerate(self.request):
+            if r < 0:
+                continue
+            self.left[row] -= 1
+            if self.left[row] == 0 or (tokens is not None and tokens[row] in self.stop):
+                self.spans[r] = (row, self.since[row], len(self.log))
+                self.take(row)
+
+    def take(self, row: int) -> None:
+        """Give ``row`` to the next prompt (prefilled on its own, then adopted), or leave it idle."""
+        from transformers import StaticCache
+
+        dec = self.decoder
+        while self.queue:
+            r = self.queue.popleft()
+            donor = StaticCache(config=dec.model.config, max_cache_len=self.length)
+            self.first[r] = dec._forward(self.prompts[r][None], donor)[0, -1].argmax(-1, keepdim=True)
+            if self.counts[r] == 1 or (self.stop and int(self.first[r]) in self.stop):
+                self.spans[r] = (row, len(self.log), len(self.log))  # done at its prefill
+                continue
+            _copy_row(self.cache, row, donor)
+            if dec.runtime is not None:
+                dec.runtime.adopt(self.cache, row, donor, buffered=len(self.log) % dec.phases)
+            self.token[row] = self.first[r]
+            self.positions[row] = self.prompts[r].numel()
+            self.live[row] = 1
+            self.request[row], self.left[row], self.since[row] = r, self.counts[r] - 1, len(self.log)
+            return
+        self.live[row], self.request[row] = 0, -1
 
 
 def _copy_row(cache, row: int, donor) -> None:
