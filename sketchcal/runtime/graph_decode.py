@@ -25,9 +25,10 @@ together (no padding) and decoded for the same number of tokens. :meth:`GraphDec
 a stream of prompts in ``batch`` slots: each prompt is prefilled on its own and copied into a free
 slot (its keys and values, conv states and recurrent states: :meth:`Runtime.adopt`), every row
 writes and attends at its own position (``attention.row_positions``), and when a sequence has its
-tokens (or a stop token) the next prompt takes its slot between two steps. A sequence that takes a slot in the middle
-of a window joins that window where it stands (its buffered tokens read as nothing), so replay
-decodes exactly what a lone sequence decodes, and sketch mode does when it joins at a window start.
+tokens (or a stop token) the next prompt takes its slot between two steps. A sequence that takes a
+slot in the middle of a window joins that window where it stands (its buffered tokens read as
+nothing), so replay decodes exactly what a lone sequence decodes, and sketch mode does when it
+joins at a window start.
 """
 
 from __future__ import annotations

@@ -235,7 +235,7 @@ class Runtime:
             return self._by_id.get(id(cache), {})
 
     def adopt(self, cache: Any, slot: int, donor: Any, buffered: int) -> None:
-        """Make row ``slot`` of the batch ``cache`` holds the sequence ``donor`` holds (a cache of one
+        """Make row ``slot`` of the batch in ``cache`` the sequence in ``donor`` (a cache of one
         sequence, just prefilled), ``buffered`` tokens into the batch's window: every layer's state
         of that row becomes the donor's (the batch's other rows are untouched). Nothing to do when
         the model's own decode keeps the states in the caches (:attr:`holds_states` False)."""

@@ -433,7 +433,7 @@ class AdaptiveSketch:
         return self.rows.shape[0]
 
     def check(self, pool: DecodePool) -> None:
-        """Raise ValueError unless these factors are shaped, typed and placed for ``pool``."""
+        """Raise ValueError unless these factors are shaped and placed for ``pool``."""
         n, h, kd, vd = pool.state.shape
         m = self.tables.map_rows
         for name, t, shape in (("rows", self.rows, (n, h, m, vd)), ("maps", self.maps, (n, h, m, kd))):
