@@ -307,11 +307,11 @@ def serve(model, prompts, counts, *args, **kw) -> list[torch.Tensor]:
 
 def check_serve(model, art, window: int) -> None:
     """A stream of prompts through two slots decodes what each prompt decodes alone: the model's own
-    decode and replay with sequences taking a slot at every window phase; sketch with every
+    decode and replay with sequences taking slots in the middle of windows; sketch with every
     sequence taking it at a window start (each takes 1 + a multiple of L tokens)."""
-    lengths = (3, 7, 5, 2, 6)
-    prompts = [ids_for(model, 1, n, 40 + n)[0] for n in lengths]
-    counts = [4, 2 * window + 3, 6, 1, 7]
+    lengths = (3, 3, 5, 5, 6)  # prompts of one length that take slots at one step prefill together
+    prompts = [ids_for(model, 1, n, 40 + i)[0] for i, n in enumerate(lengths)]
+    counts = [4, 4, 2 * window + 3, 1, 7]
     alone = [generate(model, q[None], n)[0, q.numel() :] for q, n in zip(prompts, counts, strict=True)]
     assert _equal(serve(model, prompts, counts), alone)
     # stop tokens: a sequence ends at its first one (kept), and its slot goes to the next prompt

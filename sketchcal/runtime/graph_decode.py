@@ -22,10 +22,11 @@ by empty placeholders, so a decoded batch holds its states once and no modeling 
 
 :meth:`GraphDecoder.generate` decodes a lock-step batch: every row is one sequence, prefilled
 together (no padding) and decoded for the same number of tokens. :meth:`GraphDecoder.serve` decodes
-a stream of prompts in ``batch`` slots: each prompt is prefilled on its own and copied into a free
-slot (its keys and values, conv states and recurrent states: :meth:`Runtime.adopt`), every row
-writes and attends at its own position (``attention.row_positions``), and when a sequence has its
-tokens (or a stop token) the next prompt takes its slot between two steps. A sequence that takes a
+a stream of prompts in ``batch`` slots: each prompt is prefilled (with the others of its length
+that take a slot at the same step) and copied into a free slot (its keys and values, conv states
+and recurrent states: :meth:`Runtime.adopt`), every row writes and attends at its own position
+(``attention.row_positions``), and when a sequence has its tokens (or a stop token) the next prompt
+takes its slot between two steps. A sequence that takes a
 slot in the middle of a window joins that window where it stands (its buffered tokens read as
 nothing), so replay decodes exactly what a lone sequence decodes, and sketch mode does when it
 joins at a window start.
@@ -245,8 +246,7 @@ class _Slots:
             _release_recurrent_tensors(self.cache)
         restore = write_at_row_positions(self.cache, self.positions)
         try:
-            for row in range(batch):
-                self.take(row)
+            self.fill(list(range(batch)))
             graphs: list[torch.cuda.CUDAGraph] = []
             while any(r >= 0 for r in self.request):
                 if graphs:
@@ -273,41 +273,51 @@ class _Slots:
     def retire(self) -> None:
         """Rows whose sequence has its tokens (or a stop token) go to the next prompts."""
         tokens = self.log[-1].tolist() if self.stop else None
+        free = []
         for row, r in enumerate(self.request):
             if r < 0:
                 continue
             self.left[row] -= 1
             if self.left[row] == 0 or (tokens is not None and tokens[row] in self.stop):
                 self.spans[r] = (row, self.since[row], len(self.log))
-                self.take(row)
+                free.append(row)
+        if free:
+            self.fill(free)
 
-    def take(self, row: int) -> None:
-        """Give ``row`` to the next prompt (prefilled on its own, then adopted), or leave it idle."""
+    def fill(self, rows: list[int]) -> None:
+        """Give each of ``rows`` the next prompt, or leave it idle. Prompts of one length are
+        prefilled together, then each is adopted into its row."""
         from transformers import StaticCache
 
-        dec = self.decoder
-        while self.queue:
-            r = self.queue.popleft()
-            donor = StaticCache(config=dec.model.config, max_cache_len=self.length)
-            self.first[r] = dec._forward(self.prompts[r][None], donor)[0, -1].argmax(-1, keepdim=True)
-            if self.counts[r] == 1 or (self.stop and int(self.first[r]) in self.stop):
-                self.spans[r] = (row, len(self.log), len(self.log))  # done at its prefill
-                continue
-            _copy_row(self.cache, row, donor)
-            if dec.runtime is not None:
-                dec.runtime.adopt(self.cache, row, donor, buffered=len(self.log) % dec.phases)
-            self.token[row] = self.first[r]
-            self.positions[row] = self.prompts[r].numel()
-            self.live[row] = 1
-            self.request[row], self.left[row], self.since[row] = r, self.counts[r] - 1, len(self.log)
-            return
-        self.live[row], self.request[row] = 0, -1
+        dec, rows = self.decoder, list(rows)
+        while rows and self.queue:
+            taken = [self.queue.popleft() for _ in range(min(len(rows), len(self.queue)))]
+            for n in dict.fromkeys(self.prompts[r].numel() for r in taken):  # lengths, in queue order
+                group = [r for r in taken if self.prompts[r].numel() == n]
+                donor = StaticCache(config=dec.model.config, max_cache_len=self.length)
+                ids = torch.stack([self.prompts[r] for r in group])
+                first = dec._forward(ids, donor)[:, -1].argmax(-1, keepdim=True)  # [k, 1]
+                for i, r in enumerate(group):
+                    self.first[r] = first[i]
+                    if self.counts[r] == 1 or (self.stop and int(first[i]) in self.stop):
+                        self.spans[r] = (0, len(self.log), len(self.log))  # done at its prefill
+                        continue
+                    row = rows.pop(0)
+                    _copy_row(self.cache, row, donor, i)
+                    if dec.runtime is not None:
+                        dec.runtime.adopt(self.cache, row, donor, len(self.log) % dec.phases, row=i)
+                    self.token[row] = first[i]
+                    self.positions[row] = n
+                    self.live[row] = 1
+                    self.request[row], self.left[row], self.since[row] = r, self.counts[r] - 1, len(self.log)
+        for row in rows:
+            self.live[row], self.request[row] = 0, -1
 
 
-def _copy_row(cache, row: int, donor) -> None:
+def _copy_row(cache, row: int, donor, donor_row: int) -> None:
     """Row ``row`` of every per-sequence tensor of ``cache`` (keys, values, conv and recurrent states)
-    from row 0 of ``donor``'s (a cache of one sequence); placeholders (a runtime's pool holds the
-    recurrent states) are left alone."""
+    from row ``donor_row`` of ``donor``'s; placeholders (a runtime's pool holds the recurrent
+    states) are left alone."""
     for mine, theirs in zip(getattr(cache, "layers", []), getattr(donor, "layers", []), strict=True):
         for name in ("keys", "values", "conv_states", "recurrent_states"):
             a, b = getattr(mine, name, None), getattr(theirs, name, None)
@@ -319,7 +329,7 @@ def _copy_row(cache, row: int, donor) -> None:
                     and t.numel()
                     and t.shape[1:] == src.shape[1:]
                 ):
-                    t[row] = src[0]
+                    t[row] = src[donor_row]
 
 
 def _release_recurrent_tensors(cache) -> None:

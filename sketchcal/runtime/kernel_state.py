@@ -225,9 +225,9 @@ class KernelStandardState:
         """The current state [B, H, K, V] fp32 (a view: the pool may store it value-major)."""
         return self.pool.state
 
-    def adopt(self, slot: int, donor: KernelState, buffered: int = 0) -> None:
-        """Make row ``slot`` the sequence of ``donor`` (a state of one sequence)."""
-        self.pool.state[slot] = donor.state()[0]
+    def adopt(self, slot: int, donor: KernelState, buffered: int = 0, row: int = 0) -> None:
+        """Make row ``slot`` the sequence in row ``row`` of ``donor``."""
+        self.pool.state[slot] = donor.state()[row]
 
 
 class KernelWindowState:
@@ -392,13 +392,13 @@ class KernelWindowState:
             self.pos = p
         self._drafted, self._crossed = 0, False
 
-    def adopt(self, slot: int, donor: KernelState, buffered: int) -> None:
-        """Make row ``slot`` the sequence of ``donor`` (a state of one sequence), ``buffered`` tokens
-        into this batch's window: the donor's exact state becomes the row's checkpoint (its read copy,
-        sketch and adaptive factors written by a flush of that row alone), and the row's buffered
-        tokens become ones that leave it as it is (``DecodePool.neutral_buffer``), so its first
-        window ends with the batch's."""
-        self.pool.state[slot] = donor.state()[0]
+    def adopt(self, slot: int, donor: KernelState, buffered: int, row: int = 0) -> None:
+        """Make row ``slot`` the sequence in row ``row`` of ``donor``, ``buffered`` tokens into this
+        batch's window: the donor's exact state becomes the row's checkpoint (its read copy, sketch
+        and adaptive factors written by a flush of that row alone), and the row's buffered tokens
+        become ones that leave it as it is (``DecodePool.neutral_buffer``), so its first window ends
+        with the batch's."""
+        self.pool.state[slot] = donor.state()[row]
         self.pool.neutral_buffer(slot, buffered)
         slots = torch.where(self.slots == slot, self.slots, -1)
         flush(

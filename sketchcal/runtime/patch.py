@@ -234,20 +234,20 @@ class Runtime:
         except TypeError:
             return self._by_id.get(id(cache), {})
 
-    def adopt(self, cache: Any, slot: int, donor: Any, buffered: int) -> None:
-        """Make row ``slot`` of the batch in ``cache`` the sequence in ``donor`` (a cache of one
-        sequence, just prefilled), ``buffered`` tokens into the batch's window: every layer's state
-        of that row becomes the donor's (the batch's other rows are untouched). Nothing to do when
-        the model's own decode keeps the states in the caches (:attr:`holds_states` False)."""
+    def adopt(self, cache: Any, slot: int, donor: Any, buffered: int, row: int = 0) -> None:
+        """Make row ``slot`` of the batch in ``cache`` the sequence in row ``row`` of ``donor`` (a
+        cache just prefilled), ``buffered`` tokens into the batch's window: every layer's state of
+        that row becomes the donor's (the batch's other rows are untouched). Nothing to do when the
+        model's own decode keeps the states in the caches (:attr:`holds_states` False)."""
         if not self.holds_states:
             return
         into, src = self.states(cache), self.states(donor)
         if not into or set(into) != set(src):
             raise SketchcalError("adopt: both caches must have been prefilled through this runtime")
         for layer, state in into.items():
-            if src[layer].ckpt.state.shape[0] != 1:
-                raise SketchcalError("adopt: the donor cache must hold one sequence")
-            state.adopt(slot, src[layer], buffered)
+            if not 0 <= row < src[layer].ckpt.state.shape[0]:
+                raise SketchcalError(f"adopt: the donor cache has no row {row}")
+            state.adopt(slot, src[layer], buffered, row)
 
     def _registry(self, cache: Any, layer: int, fresh: bool) -> dict[int, DecodeState]:
         """The per-layer states of the sequence this call belongs to."""

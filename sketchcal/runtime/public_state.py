@@ -47,9 +47,9 @@ class PublicStandardState:
         """The current state [B, H, K, V] fp32 (a view of the pool)."""
         return self.store.transpose(-1, -2) if self.value_major else self.store
 
-    def adopt(self, slot: int, donor: PublicStandardState, buffered: int = 0) -> None:
-        """Make row ``slot`` the sequence of ``donor`` (a state of one sequence)."""
-        self.state()[slot] = donor.state()[0]
+    def adopt(self, slot: int, donor: PublicStandardState, buffered: int = 0, row: int = 0) -> None:
+        """Make row ``slot`` the sequence in row ``row`` of ``donor``."""
+        self.state()[slot] = donor.state()[row]
 
     def step_args(self, named: dict[str, Any]) -> Tensor:
         """Run the decode call's tokens; outputs [B, T, H, V] in the model's dtype."""

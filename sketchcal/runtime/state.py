@@ -118,9 +118,9 @@ class StandardState:
         """The current state [B, H, K, V] as stored."""
         return self.s
 
-    def adopt(self, slot: int, donor: StandardState, buffered: int = 0) -> None:
-        """Make row ``slot`` the sequence of ``donor`` (a state of one sequence)."""
-        self.s[slot] = donor.state()[0].to(self.s.dtype)
+    def adopt(self, slot: int, donor: StandardState, buffered: int = 0, row: int = 0) -> None:
+        """Make row ``slot`` the sequence in row ``row`` of ``donor``."""
+        self.s[slot] = donor.state()[row].to(self.s.dtype)
 
 
 @dataclass
@@ -293,12 +293,12 @@ class WindowState:
             start += n
         return torch.cat(outs, dim=1)
 
-    def adopt(self, slot: int, donor: DecodeState, buffered: int) -> None:
-        """Make row ``slot`` the sequence of ``donor`` (a state of one sequence), ``buffered`` tokens
-        into this batch's window (its :attr:`pos`): the donor's exact state becomes the row's
-        checkpoint, and the row's buffered tokens become ones that leave it as it is, so its first
-        window ends with the batch's."""
-        new = self._make_checkpoint(donor.state()[:1].to(self.precision.compute_dtype))
+    def adopt(self, slot: int, donor: DecodeState, buffered: int, row: int = 0) -> None:
+        """Make row ``slot`` the sequence in row ``row`` of ``donor``, ``buffered`` tokens into this
+        batch's window (its :attr:`pos`): the donor's exact state becomes the row's checkpoint, and
+        the row's buffered tokens become ones that leave it as it is, so its first window ends with
+        the batch's."""
+        new = self._make_checkpoint(donor.state()[row : row + 1].to(self.precision.compute_dtype))
         for old, fresh in ((self.ckpt.state, new.state), (self.ckpt.read_copy, new.read_copy)):
             if old is not None:
                 old[slot] = fresh[0]
