@@ -847,6 +847,7 @@ def _time_adaptive(
     a_pools, sketches = [], []
     for _ in outs:
         pool = make_pool()
+        tables = tables.with_map_rows(pool.sketch.shape[2])  # (Qᵀ takes the static sketch's rows)
         sketch = AdaptiveSketch.allocate(tables, pool)
         pool, sketch = paged_adaptive(pool, sketch) if paged else (pool, sketch)
         a_pools.append(pool)

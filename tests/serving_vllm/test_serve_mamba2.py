@@ -231,10 +231,10 @@ def test_page_accounting(runs, converted):
     rows = max(int(lay.coef.shape[1]) for lay in sketch.mixers[0].serving.artifact.layers)
     assert replay.state_page == std.state_page + buffers
     assert sketch.state_page == replay.state_page + heads * rows * v * 4
-    # the adaptive sketch's page: its sketch rows, then Qᵀ [H, M, V] and P_S [H, M, K] per sequence
+    # the adaptive sketch's page: its sketch rows (Qᵀ after each flush) and P_S [H, M, K] per sequence
     adaptive = runs["adaptive"]
     ad_rows = max(int(lay.coef.shape[1]) for lay in adaptive.mixers[0].serving.artifact.layers)
-    assert adaptive.state_page == replay.state_page + heads * ad_rows * (2 * v + k) * 4
+    assert adaptive.state_page == replay.state_page + heads * ad_rows * (v + k) * 4
     # vLLM pads every recurrent page to an attention block of whole 16-token steps; the sequences it
     # can hold fall as that page grows
     for run in (std, replay, sketch):

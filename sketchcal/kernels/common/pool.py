@@ -407,11 +407,13 @@ class AdaptiveSketch:
     heads) and the per-slot factors each flush writes (``common/adaptive.py`` has the math).
 
         tables  the layer's :class:`SketchTables` (its ``maps`` are not read)
-        rows    [N, H, M, V] Qᵀ per slot, in the pool's sketch dtype, M = ``tables.map_rows``
+        rows    [N, H, M, V] Qᵀ per slot, in the pool's sketch dtype, M = ``tables.map_rows``: the
+                pool's sketch itself (:meth:`allocate`), whose rows T = R_{:m} S_c a flush writes and
+                the factor kernel then replaces by Qᵀ (each program reads its head's T whole first)
         maps    [N, H, M, K] P_S per slot, as ``rows``
 
-    ``rows`` and ``maps`` are contiguous arrays (:meth:`allocate`) or, beside a paged pool, views of
-    the same pages (each slot's part contiguous, any slot stride: vLLM's pages).
+    Each tensor is a contiguous array or, in a paged pool, a view of its pages (each slot's part
+    contiguous, any slot stride: vLLM's pages).
     """
 
     tables: SketchTables
@@ -420,13 +422,17 @@ class AdaptiveSketch:
 
     @classmethod
     def allocate(cls, tables: SketchTables, pool: DecodePool) -> AdaptiveSketch:
-        """Zero factors for every slot of ``pool`` (a window pool with a sketch), in its sketch's
-        dtype and on its device."""
+        """The factors of ``pool`` (a window pool with ``tables.map_rows`` sketch rows): Qᵀ over its
+        sketch, P_S zero, in its sketch's dtype and on its device."""
         check_adaptive_pool(pool)
-        n, h, kd, vd = pool.state.shape
+        n, h, kd, _ = pool.state.shape
         m = tables.map_rows
-        z = dict(dtype=pool.sketch.dtype, device=pool.sketch.device)
-        return cls(tables, torch.zeros(n, h, m, vd, **z), torch.zeros(n, h, m, kd, **z))
+        if pool.sketch.shape[2] != m:
+            raise ValueError(
+                f"the adaptive sketch keeps Qᵀ in the pool's sketch rows: the pool needs {m} of them "
+                f"(tables.map_rows, or SketchTables.with_map_rows), it has {pool.sketch.shape[2]}"
+            )
+        return cls(tables, pool.sketch, pool.sketch.new_zeros(n, h, m, kd))
 
     @property
     def slots(self) -> int:

@@ -100,15 +100,18 @@ def paged(pool: DecodePool, *, lead_bytes: int = 64) -> DecodePool:
 def paged_adaptive(
     pool: DecodePool, adaptive: AdaptiveSketch | None, *, lead_bytes: int = 64
 ) -> tuple[DecodePool, AdaptiveSketch | None]:
-    """:func:`paged`, with the adaptive factors ``adaptive`` (if given) in the same pages, after the
-    pool's tensors (as the plugin's pages keep them)."""
+    """:func:`paged`, with the adaptive factors ``adaptive`` (if given) in the same pages: Qᵀ in
+    the pool's sketch rows (:meth:`AdaptiveSketch.allocate`), P_S after the pool's tensors (as the
+    plugin's pages keep them)."""
     tensors = pool.tensors()
     if pool.workspace is not None:
         tensors["workspace"] = pool.workspace
     if tensors.get("read") is not None and tensors["read"].dtype == torch.float32:
         del tensors["read"]
     if adaptive is not None:
-        tensors["adaptive_rows"], tensors["adaptive_maps"] = adaptive.rows, adaptive.maps
+        if adaptive.rows is not pool.sketch:
+            raise ValueError("paged_adaptive lays out factors whose Qᵀ is the pool's sketch")
+        tensors["adaptive_maps"] = adaptive.maps
     parts = {name: t[0].numel() * t.element_size() for name, t in tensors.items()}
     page = lead_bytes + sum(-(-b // 16) * 16 for b in parts.values())
     raw = torch.zeros(pool.slots, page, dtype=torch.uint8, device=pool.state.device)
@@ -128,5 +131,5 @@ def paged_adaptive(
         out["read"] = out["state"]
     factors = None
     if adaptive is not None:
-        factors = AdaptiveSketch(adaptive.tables, out.pop("adaptive_rows"), out.pop("adaptive_maps"))
+        factors = AdaptiveSketch(adaptive.tables, out["sketch"], out.pop("adaptive_maps"))
     return DecodePool(**out), factors

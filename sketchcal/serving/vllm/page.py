@@ -9,9 +9,9 @@ dim, V value dim, C = L buffered tokens for a window of L, M sketch rows):
 
     read          [H, K, V]  read copy of the checkpoint, in the read dtype (absent when that is
                              fp32: the checkpoint is then read directly)
-    sketch        [H, M, V]  sketch mode: R_{:m} S_c per head, in the read dtype
-    adaptive_rows [H, M, V]  the adaptive sketch: Qᵀ of the checkpoint, made at its flush
-    adaptive_maps [H, M, K]  ... and P_S (``kernels.common.adaptive``), both in the read dtype
+    sketch        [H, M, V]  sketch mode: R_{:m} S_c per head, in the read dtype (the adaptive
+                             sketch: replaced at each flush by Qᵀ of the checkpoint)
+    adaptive_maps [H, M, K]  the adaptive sketch: P_S of the checkpoint (``kernels.common.adaptive``)
     buf_k         [G, C, K]  buffered keys, buffer dtype
     buf_w         [H, C, V]  buffered values (β·v, or dt·x for Mamba-2), buffer dtype
     buf_decay     [H, C]     fp32 ([H, C, K] for KDA)
@@ -52,7 +52,8 @@ def check_checkpoint_dtype(dtype: torch.dtype) -> None:
 
 class Pages(NamedTuple):
     """A served layer's pages as the decode reads them: ``pool`` over block ids, ``cursor`` [N]
-    int32, and for the adaptive sketch ``factors``: (Qᵀ [N, H, M, V], P_S [N, H, M, K]), else None."""
+    int32, and for the adaptive sketch ``factors``: (Qᵀ [N, H, M, V], the pool's sketch; P_S
+    [N, H, M, K]), else None."""
 
     pool: DecodePool
     cursor: Tensor
@@ -89,7 +90,6 @@ class PagePlan:
         if self.map_rows > 0:
             out.append(("sketch", (h, self.map_rows, v), self.read_dtype))
             if self.adaptive:
-                out.append(("adaptive_rows", (h, self.map_rows, v), self.read_dtype))
                 out.append(("adaptive_maps", (h, self.map_rows, k), self.read_dtype))
         out.append(("buf_k", (g, c, k), self.buffer_dtype))
         out.append(("buf_w", (h, c, v), self.buffer_dtype))
@@ -140,5 +140,5 @@ class PagePlan:
         read = named.pop("read", checkpoint)
         factors = None
         if self.adaptive and self.map_rows > 0:
-            factors = named.pop("adaptive_rows"), named.pop("adaptive_maps")
+            factors = named["sketch"], named.pop("adaptive_maps")
         return Pages(DecodePool(state=checkpoint, read=read, **named), cursor, factors)
