@@ -9,10 +9,12 @@ head) turns them into the adaptive read's factors, in the math of ``reference.ad
     P_S = Qᵀ S_cᵀ          [M, K]: one more pass over the checkpoint (none for a dense head)
 
 The read of effective query ``u`` is then ``Q (P_S u)``: ``S_cᵀ u`` projected onto the span of
-``S_cᵀ R_{:m}ᵀ``, what the reference's SVD gives, up to rounding. The read kernel takes ``P_S``
-and ``Qᵀ`` as per-slot coefficient maps and sketch rows (:class:`AdaptiveSketch`), so a sketch
-step reads ``m·(K + V)`` values per head instead of ``m·V``. Dense heads (rank 0) read their
-read copy as in the static sketch.
+``S_cᵀ R_{:m}ᵀ``, what the reference's SVD gives, up to rounding. Qᵀ is written over T in the
+pool's sketch (each program has read its head's T whole before it stores: every row of Qᵀ
+depends on the largest row of T). The read kernel takes ``P_S`` and ``Qᵀ`` as per-slot
+coefficient maps and sketch rows (:class:`AdaptiveSketch`), so a sketch step reads
+``m·(K + V)`` values per head instead of ``m·V``. Dense heads (rank 0) read their read copy as
+in the static sketch.
 
 A row of ``T`` whose part orthogonal to the rows before it is below ``TOL`` of the largest row
 (a rank-deficient state, or one that is still zero) gets a zero row of Qᵀ, as the reference
