@@ -53,7 +53,6 @@ from sketchcal.kernels.common.pool import (
     DecodePool,
     SketchTables,
     allocate_pool,
-    check_adaptive_pool,
     check_family,
     check_paged,
     is_dense,
@@ -480,6 +479,5 @@ def flush(
 
 
 def _adaptive_tables(pool: DecodePool, adaptive: AdaptiveSketch) -> SketchTables:
-    check_adaptive_pool(pool)
     adaptive.check(pool)
     return adaptive.tables

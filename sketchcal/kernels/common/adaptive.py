@@ -46,8 +46,8 @@ def _factor_kernel(
     i_h = tl.program_id(0)
     i_b = tl.program_id(1)
     s = tl.load(slots + i_b).to(tl.int64)
-    live = s >= 0
-    s = tl.where(live, s, 0)
+    if s < 0:  # padding, or a row that is not flushing in this call: nothing to read or write
+        return
     state += s * ss_state + i_h * (K * V)
     sketch += s * ss_sketch + i_h * (SM * V)
     rows += s * ss_rows + i_h * (M * V)
@@ -67,7 +67,7 @@ def _factor_kernel(
         keep = norm > TOL * largest
         row = tl.where(keep, row / tl.where(keep, norm, 1.0), 0.0)
         q = tl.where(o_r[:, None] == i, row[None, :], q)
-    out_rows = o_r[:, None] < tl.where(live, M, 0)
+    out_rows = o_r[:, None] < M
     tl.store(rows + o_r[:, None] * V + o_v[None, :], q.to(rows.dtype.element_ty), mask=out_rows)
     if m > 0:  # a dense head reads its read copy, never P_S: its checkpoint is not read here
         for k0 in tl.static_range(0, K, BK):

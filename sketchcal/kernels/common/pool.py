@@ -434,12 +434,10 @@ class AdaptiveSketch:
             )
         return cls(tables, pool.sketch, pool.sketch.new_zeros(n, h, m, kd))
 
-    @property
-    def slots(self) -> int:
-        return self.rows.shape[0]
-
     def check(self, pool: DecodePool) -> None:
-        """Raise ValueError unless these factors are shaped and placed for ``pool``."""
+        """Raise ValueError unless ``pool`` can hold an adaptive sketch (:func:`check_adaptive_pool`)
+        and these factors are shaped and placed for it."""
+        check_adaptive_pool(pool)
         n, h, kd, vd = pool.state.shape
         m = self.tables.map_rows
         for name, t, shape in (("rows", self.rows, (n, h, m, vd)), ("maps", self.maps, (n, h, m, kd))):
