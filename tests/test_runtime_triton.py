@@ -28,6 +28,7 @@ from sketchcal.artifact.convert import convert
 from sketchcal.artifact.sketch import SketchLayer, read_sketch
 from sketchcal.errors import SketchcalError
 from sketchcal.kernels.common import StepInputs, family, recurrence
+from sketchcal.kernels.common.recurrence import identity_tokens
 from sketchcal.models import describe, use_torch_path
 from sketchcal.runtime import Precision, enable, enabled, layer_tables, make_state
 from sketchcal.runtime.graph_decode import GraphDecoder
@@ -440,14 +441,6 @@ def cat_tokens(a: StepInputs, b: StepInputs) -> StepInputs:
     )
 
 
-def neutral_tokens(x: StepInputs) -> StepInputs:
-    """Tokens shaped as ``x``'s that leave a state as it is: no key, query or value, decay 1, β 0."""
-    return StepInputs(
-        **{n: None if getattr(x, n) is None else torch.full_like(getattr(x, n), 1.0 if n == "decay" else 0.0)
-           for n in ("k", "q", "w", "decay", "beta", "skip")}
-    )  # fmt: skip
-
-
 @pytest.mark.parametrize(
     ("fam", "mode", "sketch_map"),
     [("gdn", "replay", "static"), ("kda", "sketch", "static"), ("mamba2", "sketch", "adaptive"),
@@ -484,7 +477,8 @@ def test_adopt_makes_a_row_the_lone_sequence_mid_window(fam, mode, sketch_map):
         batch.adopt(1, lone, p)
         got, want0 = batch.step(x), control.step(x)
         assert rel_max(got[0], want0[0]) <= 1e-6
-        lone.step(neutral_tokens(x_pre.map(lambda t: t[:1])))
+        lone_pre = x_pre.map(lambda t: t[:1])
+        lone.step(identity_tokens(lone_pre, torch.zeros(lone_pre.k.shape[:2], dtype=torch.bool)))
         want1 = lone.step(row1)
         assert rel_max(got[1], want1[0]) <= 1e-5
         if not sketch:

@@ -396,10 +396,10 @@ class KernelWindowState:
         """Make row ``slot`` the sequence in row ``row`` of ``donor``, ``buffered`` tokens into this
         batch's window: the donor's exact state becomes the row's checkpoint (its read copy, sketch
         and adaptive factors written by a flush of that row alone), and the row's buffered tokens
-        become ones that leave it as it is (``DecodePool.neutral_buffer``), so its first window ends
-        with the batch's."""
+        become identity tokens (``DecodePool.identity_buffer``), so its first window ends with the
+        batch's."""
         self.pool.state[slot] = donor.state()[row]
-        self.pool.neutral_buffer(slot, buffered)
+        self.pool.identity_buffer(slot, buffered)
         slots = torch.where(self.slots == slot, self.slots, -1)
         flush(
             self.family, self.pool, slots, torch.zeros_like(slots), tables=self.tables,

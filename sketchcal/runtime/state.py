@@ -36,7 +36,7 @@ from sketchcal.errors import SketchcalError
 from sketchcal.kernels.common import Family, StepInputs, product_form_read, recurrence
 from sketchcal.kernels.common import family as family_of
 from sketchcal.kernels.common.pool import SketchTables
-from sketchcal.kernels.common.recurrence import read
+from sketchcal.kernels.common.recurrence import identity_value, read
 from sketchcal.runtime.precision import Precision, store
 from sketchcal.runtime.sketch import compute_tables
 
@@ -296,8 +296,8 @@ class WindowState:
     def adopt(self, slot: int, donor: DecodeState, buffered: int, row: int = 0) -> None:
         """Make row ``slot`` the sequence in row ``row`` of ``donor``, ``buffered`` tokens into this
         batch's window (its :attr:`pos`): the donor's exact state becomes the row's checkpoint, and
-        the row's buffered tokens become ones that leave it as it is, so its first window ends with
-        the batch's."""
+        the row's buffered tokens become identity tokens (``recurrence.identity_value``), so its
+        first window ends with the batch's."""
         new = self._make_checkpoint(donor.state()[row : row + 1].to(self.precision.compute_dtype))
         for old, fresh in ((self.ckpt.state, new.state), (self.ckpt.read_copy, new.read_copy)):
             if old is not None:
@@ -307,10 +307,9 @@ class WindowState:
                 old[slot] = fresh[0]
         elif self.ckpt.sketch is not None:
             self.ckpt.sketch[slot] = new.sketch[0]
-        if self._buf is not None and buffered > 0:
-            for name, value in (("k", 0.0), ("w", 0.0), ("decay", 1.0), ("beta", 0.0)):
-                if self._buf[name] is not None:
-                    self._buf[name][slot, :buffered] = value
+        for name, t in (self._buf or {}).items():
+            if t is not None:
+                t[slot, :buffered] = identity_value(name)
 
     def state(self) -> Tensor:
         """The exact current state [B, H, K, V] (compute dtype), materialised for checks."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from torch import Tensor
 
-from sketchcal.kernels.common.recurrence import StepInputs
+from sketchcal.kernels.common.recurrence import StepInputs, identity_value
 
 FAMILIES = ("mamba2", "gdn", "kda")
 # The sketch ranks the kernels support; 0 means dense: the head reads its full read copy (exact).
@@ -124,17 +124,17 @@ class DecodePool:
         ws = None if self.workspace is None else torch.zeros_like(self.workspace)
         return DecodePool(**{name: t.clone() for name, t in self.tensors().items()}, workspace=ws)
 
-    def neutral_buffer(self, slot: int, n: int) -> None:
-        """Make the first ``n`` buffered tokens of ``slot`` tokens that leave a state as it is (no key,
-        no value, decay 1, β 0): a sequence that takes the slot in the middle of a window reads and
-        folds them as nothing, so it joins the other slots' window where it stands."""
-        if n <= 0:
-            return
-        for t in (self.buf_k, self.buf_w, self.buf_beta, self.buf_logdecay):
+    def identity_buffer(self, slot: int, n: int) -> None:
+        """Make the first ``n`` buffered tokens of ``slot`` identity tokens
+        (``recurrence.identity_value``; a log₂ decay of 0): a sequence that takes the slot in the
+        middle of a window reads and folds them as nothing, so it joins the other slots' window
+        where it stands."""
+        for name in ("k", "w", "decay", "beta"):
+            t = getattr(self, f"buf_{name}")
             if t is not None:
-                t[slot, :, :n] = 0
-        if self.buf_decay is not None:
-            self.buf_decay[slot, :, :n] = 1
+                t[slot, :, :n] = identity_value(name)
+        if self.buf_logdecay is not None:
+            self.buf_logdecay[slot, :, :n] = 0.0
 
 
 _STATE_FIELDS = tuple(f.name for f in fields(DecodePool) if f.name != "workspace")

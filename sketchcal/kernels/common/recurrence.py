@@ -75,11 +75,15 @@ class StepInputs:
         return self.map(lambda t: t[(slice(None),) * tdim + (index,)])
 
 
-def identity_tokens(x: StepInputs, valid: Tensor) -> StepInputs:
-    """Replace the tokens where ``valid`` ([..., T] bool) is False by identity transitions.
+def identity_value(name: str) -> float:
+    """The value of input ``name`` (a :class:`StepInputs` field) in an identity token: decay 1,
+    everything else (k, q, w, beta, skip) 0, so ``A_t = I`` and the token adds nothing."""
+    return 1.0 if name == "decay" else 0.0
 
-    An identity token has k = 0, w = 0, decay = 1 and beta = 0, so ``A_t = I`` and it adds nothing:
-    padding then leaves the state untouched in every family.
+
+def identity_tokens(x: StepInputs, valid: Tensor) -> StepInputs:
+    """Replace the tokens where ``valid`` ([..., T] bool) is False by identity transitions
+    (:func:`identity_value`): padding then leaves the state untouched in every family.
     """
     out = {}
     for f in fields(x):
@@ -87,8 +91,7 @@ def identity_tokens(x: StepInputs, valid: Tensor) -> StepInputs:
         if t is None:
             continue
         m = valid.reshape(valid.shape + (1,) * (t.dim() - valid.dim()))
-        fill = 1.0 if f.name == "decay" else 0.0
-        out[f.name] = torch.where(m, t, torch.full_like(t, fill))
+        out[f.name] = torch.where(m, t, torch.full_like(t, identity_value(f.name)))
     return replace(x, **out)
 
 
