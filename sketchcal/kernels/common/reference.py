@@ -236,6 +236,7 @@ def flush(
         tables = adaptive.tables
     fam = _family(family)
     out = None if x is None else _outputs(x, pool.heads)
+    bases = None if tables is None else tables.sketch_rows()  # [H, M, K], the same for every slot
     for b, (s, n) in enumerate(zip(slots.tolist(), pos.tolist(), strict=True)):
         if s < 0:
             continue
@@ -250,10 +251,10 @@ def flush(
                 pool.read[s, h, :r] = _stored(st[h, :r], pool.read.dtype)
         if tables is not None and pool.sketch is not None:  # rows past a head's rank stay as they are
             old = pool.sketch[s, :, : tables.map_rows]
-            new = _stored(sketch_write(tables.sketch_rows(), st), pool.sketch.dtype)
+            new = _stored(sketch_write(bases, st), pool.sketch.dtype)
             old.copy_(torch.where(tables.rank_mask()[..., None], new, old))
         if adaptive is not None:
-            q, p = adaptive_factor(tables.sketch_rows(), st)
+            q, p = adaptive_factor(bases, st)
             adaptive.rows[s] = _stored(q.transpose(-1, -2), adaptive.rows.dtype)
             adaptive.maps[s] = _stored(p, adaptive.maps.dtype)
     return out
